@@ -1,0 +1,40 @@
+"""Per-step attention inputs, built once by the model runner and handed down explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat batch of sequences; sequence i contributes ``q_lens[i]`` new tokens.
+
+    Decodes (one new token) come first, then prefill chunks, so backends can run the two
+    kinds as two contiguous slices.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    q_lens: list[int]  # new tokens per sequence
+    ctx_lens: list[int]  # tokens in the cache per sequence after this step (prefix + new)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
+    num_decodes: int  # the first num_decodes sequences have q_len == 1
+    cu_seqlens_q: torch.Tensor  # [S + 1] int32
+    cu_seqlens_k: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32 (== ctx_lens)
+    block_size: int
+    # backend-private values that are the same for every layer (computed on first use)
+    cache: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @property
+    def max_q_len(self) -> int:
+        return max(self.q_lens) if self.q_lens else 0
+
+    @property
+    def max_ctx_len(self) -> int:
+        return max(self.ctx_lens) if self.ctx_lens else 0

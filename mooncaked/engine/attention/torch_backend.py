@@ -1,0 +1,90 @@
+"""Paged attention with torch's SDPA: any block size, CPU or GPU, no extra packages.
+
+Decodes are batched into one SDPA call over their gathered blocks (the gather index is
+built once per step and reused by every layer). A prefill chunk with no cached context
+attends to its own new K/V directly; one with a cached prefix gathers its blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mooncaked.engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @staticmethod
+    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        kh, d = k_cache.shape[-2:]
+        k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] (already written to the cache). Returns [T, H, D]."""
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        start = nd
+        for i in range(nd, len(meta.q_lens)):
+            ql, cl = meta.q_lens[i], meta.ctx_lens[i]
+            end = start + ql
+            out[start:end] = self._prefill(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, ql, cl)
+            start = end
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        nd = q.shape[0]
+        tables, mask = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta))  # type: ignore[misc]
+        kh, d = self.num_kv_heads, self.head_dim
+        # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]
+        keys = k_cache[tables].view(nd, -1, kh, d).transpose(1, 2)
+        values = v_cache[tables].view(nd, -1, kh, d).transpose(1, 2)
+        # the query heads sharing a KV head become that head's "query positions"
+        qg = q.view(nd, kh, self.group, d)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return o.reshape(nd, self.num_heads, d)
+
+    @staticmethod
+    def _decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        nd = meta.num_decodes
+        ctx = meta.context_lens[:nd]
+        max_blocks = -(-max(meta.ctx_lens[:nd]) // meta.block_size)
+        tables = meta.block_tables[:nd, :max_blocks].long()
+        positions = torch.arange(max_blocks * meta.block_size, device=ctx.device)
+        mask = (positions[None, :] < ctx[:, None])[:, None, None, :]  # [nd, 1, 1, L]
+        return tables, mask
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: AttentionMetadata, i: int, ql: int, cl: int) -> torch.Tensor:
+        kh, d = self.num_kv_heads, self.head_dim
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, ql, D]
+        if cl == ql:
+            keys, values = k, v
+            mask = None
+        else:
+            nblocks = -(-cl // meta.block_size)
+            table = meta.block_tables[i, :nblocks].long()
+            keys = k_cache[table].view(-1, kh, d)[:cl]
+            values = v_cache[table].view(-1, kh, d)[:cl]
+            rows = torch.arange(cl - ql, cl, device=q.device)[:, None]
+            mask = torch.arange(cl, device=q.device)[None, :] <= rows  # [ql, cl]
+        kt = keys.transpose(0, 1).unsqueeze(0)
+        vt = values.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qh, kt, vt, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.group > 1
+        )
+        return o.squeeze(0).transpose(0, 1)

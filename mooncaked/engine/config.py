@@ -1,0 +1,186 @@
+"""Typed model and engine configuration.
+
+``ModelConfig`` is read once from an HF ``config.json`` dict and validated there, so
+the model code never has to guess which of the two config conventions a file uses
+(transformers < 5 writes ``rope_theta`` + ``rope_scaling``; transformers 5 writes one
+``rope_parameters`` dict and may omit ``head_dim`` or ``attention_bias``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# architecture name -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A model config that cannot be served; the message names the field."""
+
+
+def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    if name is None:
+        return default
+    if isinstance(name, torch.dtype):
+        return name
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[key]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" | "llama3" | "linear"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Validate an HF config dict; every failure names the offending field."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' field")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {arch!r} in 'architectures'; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+
+        def need(key: str, kind: type = int) -> Any:
+            if key not in cfg or cfg[key] is None:
+                raise ConfigError(f"config.json is missing required field {key!r}")
+            value = cfg[key]
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+            if kind is float and (not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"config.json field {key!r} must be a positive number, got {value!r}")
+            return value
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(
+                f"config.json field 'num_key_value_heads' ({kv_heads!r}) must divide "
+                f"num_attention_heads ({heads})"
+            )
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; set 'head_dim'")
+            head_dim = hidden // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(cfg),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", default_bias)),
+            qk_norm=qk_norm,
+            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=window,
+        )
+
+
+def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"config.json field 'rope_theta' must be a positive number, got {theta!r}")
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ConfigError(f"unsupported rope type {rope_type!r} in 'rope_parameters'/'rope_scaling'")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an engine runs a model: where, in what precision, and with how much KV memory."""
+
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: the model's own dtype (float32 on CPU for half models)
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 1 GiB on CPU
+    gpu_memory_fraction: float = 0.85
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # the token budget of one step (chunked prefill cuts prompts to it)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"  # "auto" | "flash" | "torch"
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.attention_backend not in ("auto", "flash", "torch"):
+            raise ConfigError(f"attention_backend must be auto, flash or torch, got {self.attention_backend!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")

@@ -1,0 +1,375 @@
+"""The engine: the stable Python API over scheduler + model runner.
+
+``Engine.from_pretrained(...)``, ``engine.generate(prompts, params)`` and
+``async for out in engine.stream(prompt, params)`` are what the daemon, the tests and
+users' scripts call. A step is: take new requests, schedule, run, apply the results.
+Requests may be added from any thread; whoever steps serves every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mooncaked.engine.block_manager import BlockManager
+from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
+from mooncaked.engine.kv_cache import plan_num_blocks
+from mooncaked.engine.loader import read_model_config, resolve_model_dir
+from mooncaked.engine.model_runner import ModelRunner
+from mooncaked.engine.models.llama import LayerHook
+from mooncaked.engine.outputs import Output
+from mooncaked.engine.sampling_params import RequestError, SamplingParams
+from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
+from mooncaked.engine.sequence import Sequence, SeqStatus
+from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+Sink = Callable[[Output], None]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_cached_blocks: int
+    prefix_hit_blocks: int
+    prefix_query_blocks: int
+    prefill_tokens_computed: int
+    prompt_tokens_cached: int
+    decode_tokens: int
+    num_preemptions: int
+    steps: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    sink: Sink
+    eos_ids: frozenset[int]
+
+
+class Engine:
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        self.model_dir = model_dir
+        self.config = config
+        self.model_config, _ = read_model_config(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        device = torch.device(config.device)
+        self.dtype = self._pick_dtype(self.model_config, config, device)
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # we do not implement windowed attention: stay inside the window, where it is exact
+            limit = min(limit, self.model_config.sliding_window)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        num_blocks = plan_num_blocks(self.model_config, config.block_size, self.dtype, device,
+                                     config.kv_cache_bytes, config.gpu_memory_fraction)
+        self.runner = ModelRunner(self.model_config, config, model_dir, self.dtype, num_blocks, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.hash_seed,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self.layer_hook: LayerHook | None = None
+        self._requests: dict[str, _Request] = {}
+        self._inbox: collections.deque[_Request] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._step_lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._driver: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._prefill_tokens = 0
+        self._cached_tokens = 0
+        self._decode_tokens = 0
+        self._steps = 0
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str | Path | None = "default", device: str = "cpu",
+                        dtype: str | torch.dtype | None = None, block_size: int = 16,
+                        kv_cache_bytes: int | None = None, cache_dir: Path | None = None,
+                        **engine_kwargs) -> "Engine":
+        """Load ``model`` ("default", an HF folder or a .gguf file) from disk; nothing is downloaded."""
+        model_dir = resolve_model_dir(model, cache_dir)
+        cfg = EngineConfig(device=device, dtype=parse_dtype(dtype) if dtype is not None else None,
+                           block_size=block_size, kv_cache_bytes=kv_cache_bytes, **engine_kwargs)
+        return cls(model_dir, cfg)
+
+    @staticmethod
+    def _pick_dtype(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> torch.dtype:
+        if cfg.dtype is not None:
+            return cfg.dtype
+        if device.type == "cpu" and mcfg.dtype != torch.float32:
+            return torch.float32  # CPU half-precision matmuls are slow and inexact without native support
+        return mcfg.dtype
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            import json
+
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                    sink: Sink | None = None, imported_blocks: list[int] | None = None) -> str:
+        """Queue a request; thread-safe. ``imported_blocks``: KV blocks the caller already filled
+        with this prompt's first ``len(imported_blocks) * block_size`` tokens (incremental prefill)."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens; this model serves at most {self.max_model_len - 1} "
+                "prompt tokens (its context length less one for the answer)"
+            )
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if len(ids) + 1 > capacity:
+            raise RequestError(f"the prompt needs {len(ids) + 1} KV slots; the cache holds {capacity}")
+        if imported_blocks and len(imported_blocks) * self.config.block_size >= len(ids):
+            raise RequestError("imported blocks must leave at least one prompt token to compute")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, imported_blocks=list(imported_blocks or []))
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens)
+        req = _Request(seq, detok, sink or (lambda out: None), eos | frozenset(params.stop_token_ids))
+        self._requests[request_id] = req
+        self._inbox.append(req)
+        if self._wake is not None:
+            self._wake_driver()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away); its blocks are freed at the next step. Thread-safe."""
+        self._aborts.append(request_id)
+        if self._wake is not None:
+            self._wake_driver()
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        with self._step_lock:
+            return self._step()
+
+    def _step(self) -> list[Output]:
+        outputs: list[Output] = []
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft().seq)
+        while self._aborts:
+            req = self._requests.get(self._aborts.popleft())
+            if req is not None and not req.seq.finished:
+                self.scheduler.finish(req.seq, "abort")
+                outputs.append(self._emit(req, []))
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        result = self.runner.run(plan.scheduled, self.layer_hook)
+        self._steps += 1
+        for s in plan.scheduled:
+            self._apply(s, result.tokens.get(s.seq.request_id), result.logprobs.get(s.seq.request_id), outputs)
+        return outputs
+
+    def _apply(self, s: ScheduledSeq, token: int | None, logprob: float | None, outputs: list[Output]) -> None:
+        seq = s.seq
+        prompt_left = max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
+        self._prefill_tokens += min(prompt_left, s.num_new_tokens)
+        seq.num_computed_tokens += s.num_new_tokens
+        self.scheduler.commit_full_blocks(seq)
+        if token is None:
+            return
+        req = self._requests[seq.request_id]
+        if not seq.output_token_ids:
+            self._cached_tokens += seq.num_cached_tokens
+        seq.output_token_ids.append(token)
+        self._decode_tokens += 1
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        reason = None
+        hit_stop = req.detok.add(seq.output_token_ids)
+        if token in req.eos_ids or hit_stop:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        outputs.append(self._emit(req, [token]))
+
+    def _emit(self, req: _Request, new_ids: list[int]) -> Output:
+        seq = req.seq
+        out = Output(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=req.detok.text,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            new_token_ids=new_ids,
+            new_text=req.detok.take_delta(final=seq.finished),
+        )
+        if seq.finished:
+            self._requests.pop(seq.request_id, None)
+        try:
+            req.sink(out)
+        except Exception:  # a broken consumer must not take the engine down
+            log.exception("output sink for %s failed", seq.request_id)
+        return out
+
+    # -- blocking API ---------------------------------------------------------------------
+    def generate(self, prompts: list[Prompt] | Prompt,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
+        """Run prompts to completion; outputs in the order of ``prompts``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        finals: dict[str, Output] = {}
+
+        def keep(out: Output) -> None:
+            if out.finished:
+                finals[out.request_id] = out
+
+        ids = [self.add_request(p, sp, sink=keep) for p, sp in zip(prompts, plist)]
+        while len(finals) < len(ids):
+            self.step()
+        return [finals[i] for i in ids]
+
+    @torch.inference_mode()
+    def score(self, prompt: Prompt, chunk_size: int | None = None) -> torch.Tensor:
+        """Logits [n, vocab] at every position of ``prompt`` (perplexity, tests), computed in
+        chunks of ``chunk_size`` through the paged cache; no prefix cache is used or filled."""
+        ids = self.tokenize(prompt)
+        with self._step_lock:
+            seq = Sequence(f"score-{uuid.uuid4().hex}", ids, SamplingParams(max_tokens=1))
+            blocks = self.block_manager.allocate(self.block_manager.blocks_needed(len(ids)))
+            if blocks is None:
+                raise RequestError("not enough free KV blocks to score this prompt now")
+            seq.block_table = blocks
+            try:
+                parts = []
+                step = chunk_size or len(ids)
+                while seq.num_computed_tokens < len(ids):
+                    n = min(step, len(ids) - seq.num_computed_tokens)
+                    res = self.runner.run([ScheduledSeq(seq, n)], all_logits=True)
+                    parts.append(res.all_logits[seq.request_id])
+                    seq.num_computed_tokens += n
+                return torch.cat(parts)
+            finally:
+                self.block_manager.release(blocks)
+
+    # -- async API ------------------------------------------------------------------------
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[Output]:
+        """Yield an Output per new token (``new_text`` holds the delta); the last has finish_reason.
+
+        Leaving the loop early aborts the request and frees its blocks.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._ensure_driver(loop)
+        rid = self.add_request(prompt, params, request_id,
+                               sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._wake = asyncio.Event()
+        self._driver_loop = loop
+        self._driver = loop.create_task(self._drive(), name="engine-driver")
+        self._driver.add_done_callback(_log_task_failure)
+
+    def _wake_driver(self) -> None:
+        loop = self._driver_loop
+        if loop.is_closed():
+            return
+        loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
+
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            if not self.has_work():
+                self._wake.clear()
+                if not self.has_work():
+                    await self._wake.wait()
+                continue
+            await loop.run_in_executor(self._executor, self.step)
+
+    def close(self) -> None:
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- introspection --------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self._inbox),
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            prefix_hit_blocks=bm.hits,
+            prefix_query_blocks=bm.queries,
+            prefill_tokens_computed=self._prefill_tokens,
+            prompt_tokens_cached=self._cached_tokens,
+            decode_tokens=self._decode_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            steps=self._steps,
+        )
+
+
+def _log_task_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine driver failed", exc_info=task.exception())

@@ -1,0 +1,128 @@
+"""Executes one scheduled step: builds the flat batch, runs the model, samples.
+
+It owns the model and the KV pool; it reads sequences but never changes them (the
+engine applies the results).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mooncaked.engine.attention import AttentionMetadata, make_backend
+from mooncaked.engine.config import EngineConfig, ModelConfig
+from mooncaked.engine.kv_cache import KVCache
+from mooncaked.engine.loader import load_weights
+from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
+from mooncaked.engine.sampler import sample
+from mooncaked.engine.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """Tokens sampled this step, keyed by request id (only for sequences that reached their end)."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, float]
+    seconds: float
+    num_tokens: int
+    all_logits: dict[str, torch.Tensor]
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, model_dir, dtype: torch.dtype,
+                 num_blocks: int, max_model_len: int, kv_pool: torch.Tensor | None = None) -> None:
+        self.cfg = model_cfg
+        self.device = torch.device(engine_cfg.device)
+        self.dtype = dtype
+        self.block_size = engine_cfg.block_size
+        scale = model_cfg.head_dim ** -0.5
+        self.backend = make_backend(engine_cfg.attention_backend, self.device, self.block_size,
+                                    model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, scale)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len).to(dtype)
+        self.model.rope.float()
+        load_weights(self.model, model_cfg, model_dir, dtype)
+        self.model.eval()
+        self.kv = KVCache.allocate(model_cfg, num_blocks, self.block_size, dtype, self.device, kv_pool)
+        self.kv_layers = self.kv.layers()
+        log.info("model runner: %s on %s (%s), attention=%s", model_cfg.architecture, self.device, dtype,
+                 self.backend.name)
+
+    @torch.inference_mode()
+    def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None,
+            all_logits: bool = False) -> StepResult:
+        """One forward over the batch. ``all_logits`` also returns every new position's logits
+        per request (for scoring and tests), at the cost of the full vocabulary projection."""
+        t0 = time.perf_counter()
+        # decodes first, so backends see two contiguous slices
+        batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, slots, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook)
+        samplers = [s for s in batch if s.samples]
+        tokens: dict[str, int] = {}
+        logprobs: dict[str, float] = {}
+        if samplers:
+            last = torch.tensor(
+                [i for i, s in zip(meta.cu_seqlens_q[1:].tolist(), batch) if s.samples], device=self.device
+            ) - 1
+            logits = self.model.compute_logits(hidden[last])
+            params = [s.seq.params for s in samplers]
+            gens = [s.seq.generator for s in samplers]
+            ids, lps = sample(logits, params, gens)
+            for k, s in enumerate(samplers):
+                tokens[s.seq.request_id] = ids[k]
+                if lps is not None:
+                    logprobs[s.seq.request_id] = lps[k]
+        full: dict[str, torch.Tensor] = {}
+        if all_logits:
+            bounds = meta.cu_seqlens_q.tolist()
+            for k, s in enumerate(batch):
+                full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
+        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full)
+
+    def _prepare(self, batch: list[ScheduledSeq]):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        for s in batch:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            tokens = seq.all_token_ids
+            ids += tokens[start : start + n]
+            pos += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        cu_q = [0]
+        cu_k = [0]
+        for q, c in zip(q_lens, ctx_lens):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + c)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            q_lens=q_lens,
+            ctx_lens=ctx_lens,
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            num_decodes=sum(1 for q in q_lens if q == 1),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            block_size=bs,
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                slots, meta)

@@ -1,0 +1,24 @@
+"""What the engine hands back to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Output:
+    """A request's result so far. In a stream, ``new_token_ids``/``new_text`` hold the delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    logprobs: list[float] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

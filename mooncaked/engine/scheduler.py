@@ -1,0 +1,163 @@
+"""Decides what runs each step: continuous batching under a token budget.
+
+Running sequences go first (decodes and the next chunk of a chunked prefill), then
+waiting ones are admitted while the step's token budget, the sequence cap and the free
+KV blocks allow. When a running sequence needs a block and none is free, the most
+recently admitted sequence is preempted by recompute: its blocks are released (full
+ones stay in the prefix cache) and it goes back to the front of the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from mooncaked.engine.block_manager import BlockManager
+from mooncaked.engine.sequence import Sequence, SeqStatus
+from mooncaked.hashing import block_local_hash, chain_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This chunk reaches the sequence's last token, so the step yields a new token for it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is and give its blocks back."""
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.bm.release(seq.block_table)
+        seq.block_table = []
+        if seq.imported_blocks:
+            self.bm.release(seq.imported_blocks)
+            seq.imported_blocks = []
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.block_hashes = []
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        log.debug("preempted %s (recompute)", seq.request_id)
+
+    # -- the decision ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+            while need > self.bm.num_free_blocks and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+            if need > self.bm.num_free_blocks:
+                self._preempt(seq, out)
+                break
+            if need > 0:
+                seq.block_table += self.bm.allocate(need)  # type: ignore[operator]
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, out):
+                break
+            budget -= out.scheduled[-1].num_new_tokens
+        return out
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        bs = self.bm.block_size
+        if seq.imported_blocks:
+            seq.block_table, seq.imported_blocks = seq.imported_blocks, []
+            seq.num_computed_tokens = len(seq.block_table) * bs
+            self.commit_full_blocks(seq)
+            matched: list[int] = []
+        else:
+            matched, hashes = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // bs)
+            seq.block_table = matched
+            seq.block_hashes = hashes
+            seq.num_computed_tokens = len(matched) * bs
+        n = min(seq.num_uncomputed, budget)
+        need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        fresh = self.bm.allocate(need) if need > 0 else []
+        if fresh is None:
+            # no room: give the prefix blocks back and wait (they stay cached)
+            if matched:
+                self.bm.release(matched)
+                seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
+            else:
+                seq.imported_blocks, seq.block_table = seq.block_table, []
+                seq.num_computed_tokens = 0
+            return False
+        seq.block_table += fresh
+        if not seq.admitted_once:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return True
+
+    # -- after the step -------------------------------------------------------------------
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Hash and publish every block whose tokens are now all computed."""
+        bs = self.bm.block_size
+        tokens = seq.all_token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for j in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
+            block_tokens = tuple(tokens[j * bs : (j + 1) * bs])
+            parent = chain_hash(parent, block_local_hash(block_tokens, self.bm.hash_seed), self.bm.hash_seed)
+            self.bm.commit_full_block(seq.block_table[j], parent, block_tokens)
+            seq.block_hashes.append(parent)

@@ -1,0 +1,64 @@
+"""A request's state inside the engine: a record the scheduler and runner read, nothing more."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mooncaked.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
+    num_prompt_tokens_computed: int = 0  # prompt tokens this engine actually ran through the model
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    admitted_once: bool = False
+    # blocks handed in already filled (incremental prefill); adopted on admission
+    imported_blocks: list[int] = field(default_factory=list)
+    user_data: Any = None
+    arrival: int = field(default_factory=lambda: next(_counter))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the last token is still to be computed."""
+        return self.num_uncomputed > 1 or not self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

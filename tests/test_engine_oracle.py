@@ -1,0 +1,88 @@
+"""The engine against `transformers` on the same weights: logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mooncaked.engine import Engine, SamplingParams
+from tiny_models import hf_greedy, hf_logits, random_prompts
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+LENGTHS = [3, 9, 17, 40, 70]  # 70 > llama3's original context of 32 in the tiny llama
+
+
+def _engine(folder, **kw) -> Engine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("kv_cache_bytes", 4 << 20)
+    return Engine.from_pretrained(folder, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers(arch, tiny_model_factory):
+    hf, folder = tiny_model_factory(arch)
+    engine = _engine(folder)
+    for prompt in random_prompts(LENGTHS):
+        ref = hf_logits(hf, prompt)
+        # whole prompt at once, and in chunks of 7 through the paged cache
+        for chunk in (None, 7):
+            ours = engine.score(prompt, chunk_size=chunk)
+            torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_matches_transformers(arch, tiny_model_factory):
+    hf, folder = tiny_model_factory(arch)
+    prompts = random_prompts(LENGTHS, seed=2)
+    want = [hf_greedy(hf, p, 12) for p in prompts]
+    # small step budget: long prompts are chunked and interleaved with running decodes
+    engine = _engine(folder, max_num_batched_tokens=16)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prefix_cache_hits_give_same_tokens(arch, tiny_model_factory):
+    hf, folder = tiny_model_factory(arch)
+    engine = _engine(folder)
+    base = random_prompts([40], seed=3)[0]
+    tails = random_prompts([5, 11, 2], seed=4)
+    prompts = [base + t for t in tails]
+    first = engine.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert first.num_cached_tokens == 0
+    before = engine.stats().prefill_tokens_computed
+    outs = engine.generate(prompts[1:], SamplingParams(max_tokens=8, ignore_eos=True))
+    computed = engine.stats().prefill_tokens_computed - before
+    cached = [o.num_cached_tokens for o in outs]
+    assert all(c == 40 for c in cached), cached  # 10 full blocks of 4 shared with the first prompt
+    assert computed == sum(len(p) for p in prompts[1:]) - sum(cached)
+    for p, o in zip(prompts, [first] + outs):
+        assert o.token_ids == hf_greedy(hf, p, 8)
+    # exactly the same prompt again: all but the last block comes from the cache
+    again = engine.generate([prompts[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == (len(prompts[0]) - 1) // 4 * 4
+
+
+def test_half_precision_logits_close(tiny_model_factory):
+    for dtype in (torch.bfloat16, torch.float16):
+        hf, folder = tiny_model_factory("llama", dtype)
+        engine = _engine(folder, dtype=dtype)
+        assert engine.dtype == dtype
+        for prompt in random_prompts([5, 30], seed=5):
+            ref = hf_logits(hf, prompt)
+            ours = engine.score(prompt)
+            # half precision rounds differently op by op; compare relative to the logit scale
+            err = (ours - ref).abs().max() / ref.abs().max()
+            assert err < 0.05, (dtype, err)
+
+
+def test_half_model_runs_in_float32_on_cpu_by_default(tiny_model_factory):
+    hf, folder = tiny_model_factory("qwen2", torch.bfloat16)
+    engine = _engine(folder)
+    assert engine.dtype == torch.float32
+    prompt = random_prompts([12], seed=6)[0]
+    ref = hf_logits(hf.float(), prompt)
+    # large logits (scaled weights + biases): fp32 summation order shows at ~1e-5 relative
+    torch.testing.assert_close(engine.score(prompt), ref, atol=1e-3, rtol=1e-3)
