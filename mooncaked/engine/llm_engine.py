@@ -25,7 +25,6 @@ from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
 from mooncaked.engine.kv_cache import plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
 from mooncaked.engine.model_runner import ModelRunner
-from mooncaked.engine.models.llama import LayerHook
 from mooncaked.engine.outputs import Output
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
@@ -62,6 +61,29 @@ class _Request:
     eos_ids: frozenset[int]
 
 
+@dataclass
+class _FirstToken:
+    """A prefilled request entering decode with the token its prefill instance sampled."""
+
+    req: _Request
+    token: int
+    logprob: float | None
+
+
+@dataclass
+class StepSeq:
+    """What a layer hook needs to know about one sequence in the running step."""
+
+    request_id: str
+    block_table: list[int]
+    start: int  # first token position computed in this step
+    num_tokens: int  # tokens computed in this step
+    finishes_prompt: bool
+
+
+StepHook = Callable[[int, list[StepSeq]], None]
+
+
 class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
         self.model_dir = model_dir
@@ -82,7 +104,9 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self._eos_ids())
-        self.layer_hook: LayerHook | None = None
+        # called on the engine thread after each layer wrote its KV for the step's tokens
+        self.layer_hook: StepHook | None = None
+        self._held: dict[str, Sequence] = {}
         self._requests: dict[str, _Request] = {}
         self._inbox: collections.deque[_Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
@@ -141,42 +165,100 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
-                    sink: Sink | None = None, imported_blocks: list[int] | None = None) -> str:
-        """Queue a request; thread-safe. ``imported_blocks``: KV blocks the caller already filled
-        with this prompt's first ``len(imported_blocks) * block_size`` tokens (incremental prefill)."""
+                    sink: Sink | None = None, imported_blocks: list[int] | None = None,
+                    hold_blocks: bool = False) -> str:
+        """Queue a request; thread-safe.
+
+        ``imported_blocks``: KV blocks the caller already filled with this prompt's first
+        ``len(imported_blocks) * block_size`` tokens (incremental prefill: only the rest is
+        computed). ``hold_blocks``: keep the blocks after the request finishes, until
+        ``release(request_id)`` (a prefill instance still pushing that KV elsewhere).
+        """
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
+        imported = list(imported_blocks or [])
+        if imported and len(imported) * self.config.block_size >= len(ids):
+            raise RequestError("imported blocks must leave at least one prompt token to compute")
+        seq = Sequence(request_id or uuid.uuid4().hex, ids, params, imported_blocks=imported,
+                       imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks)
+        return self._enqueue(seq, sink)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, blocks: list[int],
+                      params: SamplingParams, sink: Sink, first_logprob: float | None = None) -> str:
+        """Continue a request whose prompt KV already sits in ``blocks`` (from ``reserve``) and whose
+        first token was sampled elsewhere: the decode side of disaggregation. Thread-safe."""
+        params.validate()
+        ids = self.tokenize(prompt_token_ids)
+        if len(blocks) != self.block_manager.blocks_needed(len(ids)):
+            raise RequestError(f"{len(blocks)} blocks cannot hold exactly {len(ids)} prompt tokens")
+        seq = Sequence(request_id, ids, params, imported_blocks=list(blocks), imported_tokens=len(ids))
+        seq.admitted_once = True
+        req = self._make(seq, sink)
+        # the first token goes out at once and may already end the request
+        self._requests[seq.request_id] = req
+        self._inbox.append(_FirstToken(req, first_token, first_logprob))
+        self._wake_if_driven()
+        return request_id
+
+    def _enqueue(self, seq: Sequence, sink: Sink | None) -> str:
+        req = self._make(seq, sink)
+        self._requests[seq.request_id] = req
+        self._inbox.append(req)
+        self._wake_if_driven()
+        return seq.request_id
+
+    def _make(self, seq: Sequence, sink: Sink | None) -> _Request:
+        n = len(seq.prompt_token_ids)
+        if n >= self.max_model_len:
             raise RequestError(
-                f"the prompt has {len(ids)} tokens; this model serves at most {self.max_model_len - 1} "
+                f"the prompt has {n} tokens; this model serves at most {self.max_model_len - 1} "
                 "prompt tokens (its context length less one for the answer)"
             )
         capacity = self.block_manager.num_blocks * self.config.block_size
-        if len(ids) + 1 > capacity:
-            raise RequestError(f"the prompt needs {len(ids) + 1} KV slots; the cache holds {capacity}")
-        if imported_blocks and len(imported_blocks) * self.config.block_size >= len(ids):
-            raise RequestError("imported blocks must leave at least one prompt token to compute")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, ids, params, imported_blocks=list(imported_blocks or []))
+        if n + 1 > capacity:
+            raise RequestError(f"the prompt needs {n + 1} KV slots; the cache holds {capacity}")
+        if seq.request_id in self._requests:
+            raise RequestError(f"request id {seq.request_id!r} is already in use")
+        params = seq.params
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens)
-        req = _Request(seq, detok, sink or (lambda out: None), eos | frozenset(params.stop_token_ids))
-        self._requests[request_id] = req
-        self._inbox.append(req)
+        return _Request(seq, detok, sink or (lambda out: None), eos | frozenset(params.stop_token_ids))
+
+    def _wake_if_driven(self) -> None:
         if self._wake is not None:
             self._wake_driver()
-        return request_id
+
+    # -- KV handed between instances (run these on the engine thread: see ``call``) ---------
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Blocks for ``num_tokens`` tokens of KV that another instance will write; None if no room."""
+        with self._step_lock:
+            return self.block_manager.allocate(self.block_manager.blocks_needed(num_tokens))
+
+    def unreserve(self, blocks: list[int]) -> None:
+        with self._step_lock:
+            self.block_manager.release(blocks)
+
+    def release(self, request_id: str) -> None:
+        """Give back the blocks a finished ``hold_blocks`` request kept."""
+        with self._step_lock:
+            seq = self._held.pop(request_id, None)
+            if seq is not None and seq.block_table:
+                self.block_manager.release(seq.block_table)
+                seq.block_table = []
+
+    async def call(self, fn, *args):
+        """Run ``fn(*args)`` on the engine thread, between steps (the block manager is not thread-safe)."""
+        loop = asyncio.get_running_loop()
+        self._ensure_driver(loop)
+        return await loop.run_in_executor(self._executor, fn, *args)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away); its blocks are freed at the next step. Thread-safe."""
         self._aborts.append(request_id)
-        if self._wake is not None:
-            self._wake_driver()
+        self._wake_if_driven()
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.scheduler.has_work())
@@ -189,7 +271,12 @@ class Engine:
     def _step(self) -> list[Output]:
         outputs: list[Output] = []
         while self._inbox:
-            self.scheduler.add(self._inbox.popleft().seq)
+            item = self._inbox.popleft()
+            if isinstance(item, _FirstToken):
+                self.scheduler.add(item.req.seq)
+                self._append_token(item.req, item.token, item.logprob, outputs)
+            else:
+                self.scheduler.add(item.seq)
         while self._aborts:
             req = self._requests.get(self._aborts.popleft())
             if req is not None and not req.seq.finished:
@@ -198,7 +285,13 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
-        result = self.runner.run(plan.scheduled, self.layer_hook)
+        hook = None
+        if self.layer_hook is not None:
+            info = [StepSeq(s.seq.request_id, list(s.seq.block_table), s.seq.num_computed_tokens, s.num_new_tokens,
+                            s.samples and not s.seq.output_token_ids) for s in plan.scheduled]
+            user_hook = self.layer_hook
+            hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
+        result = self.runner.run(plan.scheduled, hook)
         self._steps += 1
         for s in plan.scheduled:
             self._apply(s, result.tokens.get(s.seq.request_id), result.logprobs.get(s.seq.request_id), outputs)
@@ -215,6 +308,10 @@ class Engine:
         req = self._requests[seq.request_id]
         if not seq.output_token_ids:
             self._cached_tokens += seq.num_cached_tokens
+        self._append_token(req, token, logprob, outputs)
+
+    def _append_token(self, req: _Request, token: int, logprob: float | None, outputs: list[Output]) -> None:
+        seq = req.seq
         seq.output_token_ids.append(token)
         self._decode_tokens += 1
         if logprob is not None:
@@ -227,6 +324,8 @@ class Engine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            if seq.hold_blocks and seq.block_table:
+                self._held[seq.request_id] = seq
         outputs.append(self._emit(req, [token]))
 
     def _emit(self, req: _Request, new_ids: list[int]) -> Output:

@@ -67,7 +67,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        self._release(seq)
+        if not (seq.hold_blocks and reason != "abort"):
+            self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.block_table:
@@ -120,7 +121,7 @@ class Scheduler:
         bs = self.bm.block_size
         if seq.imported_blocks:
             seq.block_table, seq.imported_blocks = seq.imported_blocks, []
-            seq.num_computed_tokens = len(seq.block_table) * bs
+            seq.num_computed_tokens = seq.imported_tokens
             self.commit_full_blocks(seq)
             matched: list[int] = []
         else:

@@ -37,8 +37,12 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     admitted_once: bool = False
-    # blocks handed in already filled (incremental prefill); adopted on admission
+    # blocks handed in already holding the KV of the first `imported_tokens` tokens
+    # (incremental prefill, or a decode instance receiving a prefill's KV); adopted on admission
     imported_blocks: list[int] = field(default_factory=list)
+    imported_tokens: int = 0
+    # keep the blocks after finishing until the owner releases them (a prefill still pushing KV)
+    hold_blocks: bool = False
     user_data: Any = None
     arrival: int = field(default_factory=lambda: next(_counter))
 

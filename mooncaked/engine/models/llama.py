@@ -14,7 +14,9 @@ from torch import nn
 
 from mooncaked.engine.attention import AttentionBackend, AttentionMetadata
 from mooncaked.engine.config import ModelConfig
-from mooncaked.engine.models.rope import RotaryEmbedding
+from mooncaked.engine.models.rope import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 LayerHook = Callable[[int, AttentionMetadata], None]
 
@@ -46,8 +48,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -55,7 +57,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = kv
         self.backend.store_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
@@ -82,9 +84,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions, rope, kv, meta)
+    def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -109,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
         prefill role starts pushing that layer to the decode instance.
         """
         x = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_caches[i], meta)
+            x = layer(x, rope, kv_caches[i], meta)
             if layer_hook is not None:
                 layer_hook(i, meta)
         return self.norm(x)
