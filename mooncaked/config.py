@@ -1,0 +1,548 @@
+"""One typed, frozen config object per role, read once from TOML + environment + flags.
+
+Precedence, highest first: a command-line flag (`--block-size 32`), the environment
+(`MOONCAKED_BLOCK_SIZE=32`), the TOML file (`--config FILE.toml`, `block_size = 32`),
+the default. Every value is validated here, once, with a message that names the key and
+where it came from; unknown TOML keys and keys of another role are rejected, so a typo
+never silently falls back to a default. Everything downstream receives the dataclass and
+never reads the environment or argv itself.
+
+The roles' classes share fields through inheritance: `RoleConfig` (every role),
+`WorkerConfig` (engines: prefill, decode), `ConductorConfig`, `StoreConfig`, and
+`AllConfig`, which is both a conductor's and a worker's config, so the one-process
+`all` role can hand itself to each piece.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import ipaddress
+import logging
+import math
+import re
+import socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+if TYPE_CHECKING:
+    from mooncaked.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "MOONCAKED_"
+ROLES: tuple[str, ...] = ("conductor", "prefill", "decode", "store", "all")
+TRANSFER_BACKENDS: tuple[str, ...] = ("tcp", "shm", "auto", "rdma")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
+DTYPES: tuple[str, ...] = ("float32", "float", "bfloat16", "float16", "half")
+LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key and its source."""
+
+
+class HostPort(NamedTuple):
+    """A TCP address: unpacks as `(host, port)`, prints as `host:port` (what gRPC and peers take)."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# value parsers: each takes a TOML value, a string (env / flag) or an already-typed value,
+# returns the typed value, and raises ValueError with a message saying what is expected
+
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+def parse_hostport(s: str | tuple[str, int]) -> HostPort:
+    """Parse `HOST:PORT` or `[IPV6]:PORT` (port 0 means "any free port" where listening)."""
+    if isinstance(s, tuple) and len(s) == 2:
+        host, port_text = s[0], str(s[1])
+    elif isinstance(s, str):
+        text = s.strip()
+        if text.startswith("["):
+            host, sep, rest = text[1:].partition("]")
+            if not sep or not rest.startswith(":"):
+                raise ValueError(f"expected [IPV6]:PORT, got {s!r}")
+            port_text = rest[1:]
+            try:
+                ipaddress.IPv6Address(host)
+            except ValueError:
+                raise ValueError(f"{host!r} in {s!r} is not an IPv6 address") from None
+        else:
+            host, sep, port_text = text.rpartition(":")
+            if not sep:
+                raise ValueError(f"expected HOST:PORT, got {s!r} (no port)")
+            if ":" in host:
+                raise ValueError(f"expected HOST:PORT, got {s!r} (write IPv6 hosts as [ADDR]:PORT)")
+            if not _HOSTNAME_RE.match(host):
+                raise ValueError(f"expected HOST:PORT, got {s!r} (bad host {host!r})")
+    else:
+        raise ValueError(f"expected a 'HOST:PORT' string, got {type(s).__name__} {s!r}")
+    if not host:
+        raise ValueError(f"expected HOST:PORT, got {s!r} (no host)")
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"port must be an integer in 0..65535, got {port_text!r} in {s!r}")
+    return HostPort(host, int(port_text))
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like `512MiB`, `2GiB`, `1.5G`, `4096` (K/M/G/T alone are binary)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size like 4096 or '2GiB', got {type(value).__name__} {value!r}")
+    m = _SIZE_RE.match(value.replace("_", ""))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"expected a size like 4096, '512MiB' or '2GiB', got {value!r}")
+    nbytes = Fraction(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if nbytes.denominator != 1:
+        raise ValueError(f"{value!r} is not a whole number of bytes")
+    return int(nbytes)
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"expected an integer, got {type(value).__name__} {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {value!r}") from None
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a non-empty string, got {value!r}")
+    return value.strip()
+
+
+def _name(value: Any) -> str:
+    """An instance name: letters, digits, '.', '_', '-'; empty means "derive one"."""
+    if not isinstance(value, str) or (value.strip() and not re.fullmatch(r"[A-Za-z0-9_.-]+", value.strip())):
+        raise ValueError(f"expected a name of letters, digits, '.', '_' and '-', got {value!r}")
+    return value.strip()
+
+
+Parser = Callable[[Any], Any]
+
+
+def _at_least(parse: Parser, low: float, *, strict: bool = False) -> Parser:
+    def check(value: Any) -> Any:
+        out = parse(value)
+        if out < low or (strict and out == low):
+            raise ValueError(f"must be {'>' if strict else '>='} {low:g}, got {value!r}")
+        return out
+    return check
+
+
+def _fraction(value: Any) -> float:
+    out = _float(value)
+    if not 0 < out <= 1:
+        raise ValueError(f"must be in (0, 1], got {value!r}")
+    return out
+
+
+def _choice(choices: tuple[str, ...], *, upper: bool = False) -> Parser:
+    def check(value: Any) -> str:
+        text = _str(value)
+        text = text.upper() if upper else text.lower().removeprefix("torch.")
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}; got {value!r}")
+        return text
+    return check
+
+
+def _address(*, listening: bool) -> Parser:
+    def check(value: Any) -> HostPort:
+        hp = parse_hostport(value)
+        if not listening and (hp.port == 0 or hp.host in _WILDCARD_HOSTS):
+            raise ValueError(f"{value!r} is where to connect: it needs a real host and a non-zero port")
+        return hp
+    return check
+
+
+def _optional(parse: Parser) -> Parser:
+    """None stays None; so does the string 'none' (how env and flags unset a value)."""
+    def check(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
+            return None
+        return parse(value)
+    return check
+
+
+def _setting(default: Any, parse: Parser, help: str, metavar: str | None = None, *, secret: bool = False) -> Any:
+    return field(default=default, repr=not secret, metadata={"parse": parse, "help": help, "metavar": metavar})
+
+
+# ---------------------------------------------------------------------------------------------
+# the configs
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoleConfig:
+    """What every role needs: who it is, where it listens, where the cluster's services are."""
+
+    role: str = _setting("all", _choice(ROLES), "the role this process plays", "ROLE")
+    name: str = _setting("", _name, "instance name (default: ROLE-HOST-PORT)", "NAME")
+    model: str = _setting("default", _str, "'default' (SmolLM2-135M-Instruct), an HF folder or a .gguf", "MODEL")
+    listen: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=True),
+                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+    advertise_host: str | None = _setting(None, _optional(_str),
+                                          "host others use to reach this instance (default: the listen "
+                                          "host, or this machine's hostname when listening on all)", "HOST")
+    conductor: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=False),
+                                   "HOST:PORT of the conductor's gRPC server (where engines register)",
+                                   "HOST:PORT")
+    store: HostPort | None = _setting(None, _optional(_address(listening=False)),
+                                      "HOST:PORT of the store master (none: no shared KV pool)", "HOST:PORT")
+    block_size: int = _setting(16, _at_least(_int, 1), "tokens per KV block (one value per cluster)", "N")
+    hash_seed: int = _setting(0, _at_least(_int, 0), "seed of the block hash chain (one value per cluster)", "N")
+    cache_dir: str | None = _setting(None, _optional(_str),
+                                     "where converted models are cached (default ~/.cache/mooncaked/models)",
+                                     "DIR")
+    heartbeat_interval_s: float = _setting(1.0, _at_least(_float, 0, strict=True),
+                                           "seconds between heartbeats", "S")
+    heartbeat_timeout_s: float = _setting(5.0, _at_least(_float, 0, strict=True),
+                                          "seconds without a heartbeat before a peer is dead", "S")
+    drain_timeout_s: float = _setting(30.0, _at_least(_float, 0),
+                                      "seconds to finish in-flight work on SIGTERM", "S")
+    log_level: str = _setting("INFO", _choice(LOG_LEVELS, upper=True), "logging level", "LEVEL")
+
+    _ROLE: ClassVar[str | None] = None  # the role a subclass is for (None: any)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            try:
+                object.__setattr__(self, f.name, f.metadata["parse"](value))
+            except ValueError as e:
+                raise ConfigError(f"{f.name}: {e}") from None
+        if self._ROLE is not None and self.role != self._ROLE:
+            raise ConfigError(f"role: {type(self).__name__} is for role {self._ROLE!r}, got {self.role!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be longer than "
+                              f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")
+        if not self.name:
+            host = self.advertise_address.host
+            object.__setattr__(self, "name", re.sub(r"[^A-Za-z0-9_.-]+", "-",
+                                                    f"{self.role}-{host}-{self.listen.port}"))
+
+    @property
+    def advertise_address(self) -> HostPort:
+        """The address others dial for this instance's gRPC server (listen's port)."""
+        if self.advertise_host:
+            host = self.advertise_host
+        elif self.listen.host not in _WILDCARD_HOSTS:
+            host = self.listen.host
+        else:
+            host = socket.gethostname()
+        return HostPort(host, self.listen.port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(RoleConfig):
+    """An engine's settings (prefill or decode): model runner, KV memory, data plane, pool capacity."""
+
+    device: str = _setting("cpu", _str, "torch device: cpu, cuda, cuda:1", "DEVICE")
+    dtype: str | None = _setting(None, _optional(_choice(DTYPES)), "model dtype (default: the model's own)",
+                                 "DTYPE")
+    kv_cache_bytes: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
+                                          "bytes of KV cache, e.g. 2GiB (default: a share of free GPU "
+                                          "memory, or 1GiB on CPU)", "SIZE")
+    gpu_memory_fraction: float = _setting(0.85, _fraction,
+                                          "share of free GPU memory for the KV cache when kv_cache_bytes is unset",
+                                          "F")
+    max_num_seqs: int = _setting(64, _at_least(_int, 1), "most sequences in one batch", "N")
+    max_num_batched_tokens: int = _setting(2048, _at_least(_int, 1), "token budget of one engine step", "N")
+    max_model_len: int | None = _setting(None, _optional(_at_least(_int, 1)),
+                                         "longest prompt + output (default: the model's)", "N")
+    attention_backend: str = _setting("auto", _choice(ATTENTION_BACKENDS), "auto, flash or torch", "NAME")
+    enable_prefix_caching: bool = _setting(True, _bool, "reuse KV blocks of shared prefixes")
+    transfer_backend: str = _setting("auto", _choice(TRANSFER_BACKENDS), "data plane: tcp, shm, rdma or auto",
+                                     "NAME")
+    transfer_listen: HostPort | None = _setting(None, _optional(_address(listening=True)),
+                                                "HOST:PORT of the data-plane server, port 0 = any "
+                                                "(default: listen's host, any port)", "HOST:PORT")
+    store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB", "SIZE")
+    store_lmdb_path: str | None = _setting(None, _optional(_str), "folder of this engine's LMDB tier", "DIR")
+    store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier", "SIZE")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.transfer_listen is None:
+            object.__setattr__(self, "transfer_listen", HostPort(self.listen.host, 0))
+        if self.store_lmdb_bytes and not self.store_lmdb_path:
+            raise ConfigError("store_lmdb_bytes is set but store_lmdb_path is not: say where the LMDB tier lives")
+
+    def engine_config(self) -> EngineConfig:
+        """The `mooncaked.engine.EngineConfig` these settings describe (imports torch, hence lazily)."""
+        from mooncaked.engine.config import EngineConfig, parse_dtype
+
+        return EngineConfig(
+            device=self.device,
+            dtype=parse_dtype(self.dtype) if self.dtype else None,
+            block_size=self.block_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            gpu_memory_fraction=self.gpu_memory_fraction,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            attention_backend=self.attention_backend,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_seed=self.hash_seed,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(WorkerConfig):
+    """A prefill engine."""
+
+    _ROLE = "prefill"
+    role: str = _setting("prefill", _choice(ROLES), "the role this process plays", "ROLE")
+    listen: HostPort = _setting(HostPort("127.0.0.1", 50061), _address(listening=True),
+                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(WorkerConfig):
+    """A decode engine."""
+
+    _ROLE = "decode"
+    role: str = _setting("decode", _choice(ROLES), "the role this process plays", "ROLE")
+    listen: HostPort = _setting(HostPort("127.0.0.1", 50071), _address(listening=True),
+                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConductorConfig(RoleConfig):
+    """The conductor: scheduling policy and the HTTP front."""
+
+    _ROLE = "conductor"
+    role: str = _setting("conductor", _choice(ROLES), "the role this process plays", "ROLE")
+    http: HostPort = _setting(HostPort("127.0.0.1", 8000), _address(listening=True),
+                              "HOST:PORT of the OpenAI-compatible HTTP server", "HOST:PORT")
+    policy: str = _setting("cache_aware", _str, "scheduling policy", "NAME")
+    api_key: str | None = _setting(None, _optional(_str), "bearer token the HTTP API requires (default: none)",
+                                   "KEY", secret=True)  # kept out of repr, hence out of logs
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorePolicyConfig(RoleConfig):
+    """The store master's policies (it holds metadata only), shared by `store` and `all`."""
+
+    store_replicas: int = _setting(1, _at_least(_int, 1), "copies of each object in the pool", "N")
+    store_lease_s: float = _setting(5.0, _at_least(_float, 0, strict=True),
+                                    "seconds a read lease keeps an object from eviction", "S")
+    store_high_watermark: float = _setting(0.9, _fraction, "DRAM use above which objects are demoted to LMDB", "F")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig(StorePolicyConfig):
+    """The store master."""
+
+    _ROLE = "store"
+    role: str = _setting("store", _choice(ROLES), "the role this process plays", "ROLE")
+    listen: HostPort = _setting(HostPort("127.0.0.1", 50052), _address(listening=True),
+                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
+    """Every role in one process (loopback): a conductor's, a worker's and a store master's config at once."""
+
+    _ROLE = "all"
+    role: str = _setting("all", _choice(ROLES), "the role this process plays", "ROLE")
+    listen: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=True),
+                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+
+
+ROLE_CLASSES: dict[str, type[RoleConfig]] = {
+    "conductor": ConductorConfig,
+    "prefill": PrefillConfig,
+    "decode": DecodeConfig,
+    "store": StoreConfig,
+    "all": AllConfig,
+}
+
+
+@functools.cache
+def _settings() -> dict[str, dataclasses.Field]:
+    """Every setting of every role, by name (the union the flags and TOML keys are checked against)."""
+    out: dict[str, dataclasses.Field] = {}
+    for cls in ROLE_CLASSES.values():
+        for f in dataclasses.fields(cls):
+            out.setdefault(f.name, f)
+    return out
+
+
+def _roles_of(name: str) -> list[str]:
+    return [r for r, cls in ROLE_CLASSES.items() if name in cls.__dataclass_fields__]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """The environment variable of a setting: `block_size` -> `MOONCAKED_BLOCK_SIZE`."""
+    return ENV_PREFIX + name.upper()
+
+
+# ---------------------------------------------------------------------------------------------
+# command line and loading
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add `--config`, `--role` and one flag per setting (values are validated by `load_config`)."""
+    group = parser.add_argument_group("configuration (flag > MOONCAKED_<NAME> env > --config TOML > default)")
+    group.add_argument("--config", metavar="FILE.toml", default=None,
+                       help=f"TOML file of settings (env {ENV_PREFIX}CONFIG)")
+    for name, f in _settings().items():
+        roles = _roles_of(name)
+        where = "" if len(roles) == len(ROLES) else f" [{', '.join(roles)}]"
+        if name == "role":
+            group.add_argument("--role", default=None, choices=ROLES, help=f"{f.metadata['help']}")
+        elif f.metadata["parse"] is _bool:
+            group.add_argument(_flag(name), dest=name, default=None, action=argparse.BooleanOptionalAction,
+                               help=f"{f.metadata['help']}{where}")
+        else:
+            group.add_argument(_flag(name), dest=name, default=None, metavar=f.metadata["metavar"],
+                               help=f"{f.metadata['help']}{_default_help(name)}{where}")
+
+
+def _default_help(name: str) -> str:
+    """' (default X)', or the default per role where roles differ; '' when the help already says it."""
+    defaults = {r: cls.__dataclass_fields__[name].default for r, cls in ROLE_CLASSES.items()
+                if name in cls.__dataclass_fields__}
+    if len(set(defaults.values())) > 1:
+        return " (default " + ", ".join(f"{r} {d}" for r, d in defaults.items()) + ")"
+    default = next(iter(defaults.values()))
+    if "default" in _settings()[name].metadata["help"] or default is None:
+        return ""
+    return f" (default {default})"
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    try:
+        return _settings()[name].metadata["parse"](value)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str]) -> RoleConfig:
+    """Build the role's frozen config from flags (`args`), `environ` and the TOML file they name."""
+    settings = _settings()
+    config_path = getattr(args, "config", None) or environ.get(env_name("config")) or None
+    toml: dict[str, Any] = _read_toml(Path(config_path)) if config_path else {}
+    toml_src = f"config file {config_path}"
+
+    role = getattr(args, "role", None)
+    role_src = "--role"
+    if role is None and environ.get(env_name("role")):
+        role, role_src = environ[env_name("role")], f"environment variable {env_name('role')}"
+    if role is None and "role" in toml:
+        role, role_src = toml["role"], f"{toml_src}: key 'role'"
+    if role is None:
+        raise ConfigError(f"no role given: pass --role {{{','.join(ROLES)}}} "
+                          f"(or set {env_name('role')}, or 'role' in the config file)")
+    role = _parse("role", role, role_src)
+    if "role" in toml and _parse("role", toml["role"], f"{toml_src}: key 'role'") != role:
+        raise ConfigError(f"{toml_src} is for role {toml['role']!r} but {role_src} says {role!r}: "
+                          "is it the right file?")
+    cls = ROLE_CLASSES[role]
+    mine = cls.__dataclass_fields__
+
+    values: dict[str, Any] = {}
+    for key, value in toml.items():
+        if key not in settings:
+            close = difflib.get_close_matches(key.replace("-", "_"), settings, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{toml_src}: unknown key {key!r}{hint}")
+        if key not in mine:
+            raise ConfigError(f"{toml_src}: key {key!r} is a setting of role(s) {', '.join(_roles_of(key))}, "
+                              f"not of role {role!r}")
+        values[key] = _parse(key, value, f"{toml_src}: key {key!r}")
+
+    for key in mine:
+        var = env_name(key)
+        if environ.get(var, "") != "":
+            values[key] = _parse(key, environ[var], f"environment variable {var}")
+    known_env = {env_name(k) for k in settings} | {env_name("config")}
+    for var in environ:
+        if var.startswith(ENV_PREFIX) and var not in known_env:
+            logger.warning("ignoring environment variable %s: no setting of that name", var)
+
+    for key in settings:
+        value = getattr(args, key, None)
+        if value is None or key == "role":
+            continue
+        if key not in mine:
+            raise ConfigError(f"{_flag(key)} is a setting of role(s) {', '.join(_roles_of(key))}, "
+                              f"not of role {role!r}")
+        values[key] = _parse(key, value, _flag(key))
+
+    values["role"] = role
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        raise ConfigError(f"role {role}: {e}") from None

@@ -1,0 +1,261 @@
+from mooncaked.proto.mooncake.v1 import common_pb2 as _common_pb2
+from mooncaked.proto.mooncake.v1 import transfer_pb2 as _transfer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Replica(_message.Message):
+    __slots__ = ("segment", "offset", "size", "endpoint", "medium")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offset: int
+    size: int
+    endpoint: _common_pb2.TransferEndpoint
+    medium: str
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class ObjectReplicas(_message.Message):
+    __slots__ = ("key", "replicas", "checksum", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    checksum: int
+    size: int
+    def __init__(self, key: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., checksum: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class ObjectRecord(_message.Message):
+    __slots__ = ("key", "offset", "size", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    size: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class MountSegmentRequest(_message.Message):
+    __slots__ = ("client_id", "segment")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    segment: _transfer_pb2.SegmentInfo
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[_transfer_pb2.SegmentInfo, _Mapping]] = ...) -> None: ...
+
+class MountSegmentReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class UnmountSegmentRequest(_message.Message):
+    __slots__ = ("client_id", "segment")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    segment: str
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
+
+class UnmountSegmentReply(_message.Message):
+    __slots__ = ("objects_removed",)
+    OBJECTS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    objects_removed: int
+    def __init__(self, objects_removed: _Optional[int] = ...) -> None: ...
+
+class RemountSegmentRequest(_message.Message):
+    __slots__ = ("client_id", "segment", "objects")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    segment: _transfer_pb2.SegmentInfo
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectRecord]
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[_transfer_pb2.SegmentInfo, _Mapping]] = ..., objects: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ...) -> None: ...
+
+class RemountSegmentReply(_message.Message):
+    __slots__ = ("objects_accepted",)
+    OBJECTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    objects_accepted: int
+    def __init__(self, objects_accepted: _Optional[int] = ...) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("key", "size", "checksum", "replicas", "preferred_segment")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    checksum: int
+    replicas: int
+    preferred_segment: str
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ...) -> None: ...
+
+class PutStartReply(_message.Message):
+    __slots__ = ("replicas", "exists")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    exists: bool
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., exists: _Optional[bool] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PutEndReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class PutRevokeRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class PutRevokeReply(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartReply(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartReply]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartReply, _Mapping]]] = ...) -> None: ...
+
+class BatchPutEndRequest(_message.Message):
+    __slots__ = ("keys", "revoke_keys")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    revoke_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., revoke_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchPutEndReply(_message.Message):
+    __slots__ = ("committed", "revoked")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    revoked: int
+    def __init__(self, committed: _Optional[int] = ..., revoked: _Optional[int] = ...) -> None: ...
+
+class GetReplicasRequest(_message.Message):
+    __slots__ = ("key", "client_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    client_id: str
+    def __init__(self, key: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class GetReplicasReply(_message.Message):
+    __slots__ = ("object", "found", "lease_s")
+    OBJECT_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    object: ObjectReplicas
+    found: bool
+    lease_s: float
+    def __init__(self, object: _Optional[_Union[ObjectReplicas, _Mapping]] = ..., found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class BatchGetReplicasRequest(_message.Message):
+    __slots__ = ("keys", "client_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    client_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class BatchGetReplicasReply(_message.Message):
+    __slots__ = ("objects", "lease_s")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectReplicas]
+    lease_s: float
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectReplicas, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ExistRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class ExistReply(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    def __init__(self, exists: _Optional[bool] = ...) -> None: ...
+
+class BatchExistRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchExistReply(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, exists: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class LongestPrefixRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LongestPrefixReply(_message.Message):
+    __slots__ = ("num_keys",)
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    num_keys: int
+    def __init__(self, num_keys: _Optional[int] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveReply(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class PingReply(_message.Message):
+    __slots__ = ("known", "master_epoch")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    master_epoch: int
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
