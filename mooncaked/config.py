@@ -311,6 +311,8 @@ class WorkerConfig(RoleConfig):
     transfer_listen: HostPort | None = _setting(None, _optional(_address(listening=True)),
                                                 "HOST:PORT of the data-plane server, port 0 = any "
                                                 "(default: listen's host, any port)", "HOST:PORT")
+    kv_push: str = _setting("layerwise", _choice(("layerwise", "after_prefill")),
+                            "prefill pushes KV to decode after each layer, or once the prompt is done", "MODE")
     store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB", "SIZE")
     store_lmdb_path: str | None = _setting(None, _optional(_str), "folder of this engine's LMDB tier", "DIR")
     store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier", "SIZE")
@@ -338,6 +340,7 @@ class WorkerConfig(RoleConfig):
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
             hash_seed=self.hash_seed,
+            record_kv_events=True,
         )
 
 

@@ -173,6 +173,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "flash" | "torch"
     enable_prefix_caching: bool = True
     hash_seed: int = 0
+    record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -78,9 +78,57 @@ class KVCache:
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.layer(i) for i in range(self.pool.shape[0])]
 
+    def layout(self) -> "KVLayout":
+        return KVLayout.of(self.pool)
+
     def read_block(self, block_id: int) -> torch.Tensor:
         """All layers' K and V of one block, ``[L, 2, bs, Hkv, D]`` (a copy): one pool object."""
         return self.pool[:, :, block_id].clone()
 
     def write_block(self, block_id: int, data: torch.Tensor) -> None:
         self.pool[:, :, block_id].copy_(data.view(self.pool[:, :, block_id].shape))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where (layer, K|V, block, token) lives in the pool's bytes; what a peer needs to address it."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    element_size: int
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> "KVLayout":
+        layers, _, blocks, bs, heads, dim = pool.shape
+        return cls(layers, blocks, bs, heads, dim, str(pool.dtype).removeprefix("torch."), pool.element_size())
+
+    @property
+    def token_bytes(self) -> int:
+        return self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer, K or V."""
+        return self.block_size * self.token_bytes
+
+    @property
+    def kv_stride(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def layer_stride(self) -> int:
+        return 2 * self.kv_stride
+
+    def offset(self, layer: int, kv: int, block: int, token: int = 0) -> int:
+        return layer * self.layer_stride + kv * self.kv_stride + block * self.block_bytes + token * self.token_bytes
+
+    def compatible(self, other: "KVLayout") -> str | None:
+        """Why KV cannot be copied between the two pools block for block, or None."""
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} there"
+        return None

@@ -22,7 +22,7 @@ import torch
 
 from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
-from mooncaked.engine.kv_cache import plan_num_blocks
+from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
 from mooncaked.engine.model_runner import ModelRunner
 from mooncaked.engine.outputs import Output
@@ -85,7 +85,10 @@ StepHook = Callable[[int, list[StepSeq]], None]
 
 
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+    def __init__(self, model_dir: Path, config: EngineConfig,
+                 kv_pool_alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+        """``kv_pool_alloc(nbytes)`` lets the caller provide the KV pool's memory (e.g. a region the
+        transfer engine registered, shared memory for same-host peers)."""
         self.model_dir = model_dir
         self.config = config
         self.model_config, _ = read_model_config(model_dir)
@@ -99,9 +102,13 @@ class Engine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         num_blocks = plan_num_blocks(self.model_config, config.block_size, self.dtype, device,
                                      config.kv_cache_bytes, config.gpu_memory_fraction)
-        self.runner = ModelRunner(self.model_config, config, model_dir, self.dtype, num_blocks, self.max_model_len)
+        pool = None
+        if kv_pool_alloc is not None:
+            pool = kv_pool_alloc(num_blocks * bytes_per_block(self.model_config, config.block_size, self.dtype))
+        self.runner = ModelRunner(self.model_config, config, model_dir, self.dtype, num_blocks, self.max_model_len,
+                                  pool)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.hash_seed,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, record_events=config.record_kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self._eos_ids())
         # called on the engine thread after each layer wrote its KV for the step's tokens
@@ -124,12 +131,13 @@ class Engine:
     def from_pretrained(cls, model: str | Path | None = "default", device: str = "cpu",
                         dtype: str | torch.dtype | None = None, block_size: int = 16,
                         kv_cache_bytes: int | None = None, cache_dir: Path | None = None,
+                        kv_pool_alloc: Callable[[int], torch.Tensor] | None = None,
                         **engine_kwargs) -> "Engine":
         """Load ``model`` ("default", an HF folder or a .gguf file) from disk; nothing is downloaded."""
         model_dir = resolve_model_dir(model, cache_dir)
         cfg = EngineConfig(device=device, dtype=parse_dtype(dtype) if dtype is not None else None,
                            block_size=block_size, kv_cache_bytes=kv_cache_bytes, **engine_kwargs)
-        return cls(model_dir, cfg)
+        return cls(model_dir, cfg, kv_pool_alloc)
 
     @staticmethod
     def _pick_dtype(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> torch.dtype:
@@ -252,7 +260,7 @@ class Engine:
     async def call(self, fn, *args):
         """Run ``fn(*args)`` on the engine thread, between steps (the block manager is not thread-safe)."""
         loop = asyncio.get_running_loop()
-        self._ensure_driver(loop)
+        self.start_driver(loop)
         return await loop.run_in_executor(self._executor, fn, *args)
 
     def abort(self, request_id: str) -> None:
@@ -401,7 +409,7 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Output] = asyncio.Queue()
-        self._ensure_driver(loop)
+        self.start_driver(loop)
         rid = self.add_request(prompt, params, request_id,
                                sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
         finished = False
@@ -416,7 +424,10 @@ class Engine:
             if not finished:
                 self.abort(rid)
 
-    def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start_driver(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Step the engine in a background thread for as long as ``loop`` runs (daemons call this once;
+        ``stream`` and ``call`` do it on demand)."""
+        loop = loop or asyncio.get_running_loop()
         if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:
             return
         if self._executor is None:

@@ -51,8 +51,10 @@ class TorchAttention:
         tables, mask = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta))  # type: ignore[misc]
         kh, d = self.num_kv_heads, self.head_dim
         # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]
-        keys = k_cache[tables].view(nd, -1, kh, d).transpose(1, 2)
-        values = v_cache[tables].view(nd, -1, kh, d).transpose(1, 2)
+        # index_select on the block dim is a plain row copy; advanced indexing is several times slower
+        flat = tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
         # the query heads sharing a KV head become that head's "query positions"
         qg = q.view(nd, kh, self.group, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
@@ -78,8 +80,8 @@ class TorchAttention:
         else:
             nblocks = -(-cl // meta.block_size)
             table = meta.block_tables[i, :nblocks].long()
-            keys = k_cache[table].view(-1, kh, d)[:cl]
-            values = v_cache[table].view(-1, kh, d)[:cl]
+            keys = k_cache.index_select(0, table).view(-1, kh, d)[:cl]
+            values = v_cache.index_select(0, table).view(-1, kh, d)[:cl]
             rows = torch.arange(cl - ql, cl, device=q.device)[:, None]
             mask = torch.arange(cl, device=q.device)[None, :] <= rows  # [ql, cl]
         kt = keys.transpose(0, 1).unsqueeze(0)

@@ -1,0 +1,1 @@
+"""The conductor's pieces: instance registry, global prefix index, routing."""

@@ -1,0 +1,1 @@
+"""One module per role: each wires engine/, transfer/, store/ and conductor/ into a gRPC server."""

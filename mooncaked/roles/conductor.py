@@ -1,0 +1,282 @@
+"""`mooncaked --role conductor`: the Conductor gRPC service — membership, routing, and the
+disaggregated request path (DESIGN §3): tokenize, hash, pick P and D, reserve on D,
+prefill on P (which pushes KV to D), then relay D's token stream to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from mooncaked.conductor.prefix_index import PrefixIndex
+from mooncaked.conductor.registry import DEAD, Instance, Registry
+from mooncaked.conductor.router import NoInstanceError, pick
+from mooncaked.engine import RequestError
+from mooncaked.engine.config import ModelConfig
+from mooncaked.engine.tokenizer import Tokenizer
+from mooncaked.hashing import block_hashes
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2
+from mooncaked.roles.convert import layout_from_proto, sampling_from_proto, sampling_to_proto
+from mooncaked.roles.server import RPC_TIMEOUT_S
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 4
+PREFILL_TIMEOUT_S = 600.0
+DECODE_TIMEOUT_S = 3600.0
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.CANCELLED}
+_ROLE_NAMES = {common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode"}
+_ROLE_ENUMS = {v: k for k, v in _ROLE_NAMES.items()}
+
+
+class ConductorService(conductor_pb2_grpc.ConductorServicer):
+    def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, model_id: str, block_size: int,
+                 hash_seed: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.model_id = model_id
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.registry = Registry(heartbeat_timeout_s)
+        self.index = PrefixIndex()
+        self.started = time.monotonic()
+
+    # -- membership -----------------------------------------------------------------------
+    async def Register(self, request, context):
+        role = _ROLE_NAMES.get(request.role)
+        if role is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only prefill and decode instances register")
+        if not request.name or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
+        layout = layout_from_proto(request.layout)
+        if layout.block_size != self.block_size:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{request.name} uses block_size {layout.block_size}; this cluster uses "
+                                f"{self.block_size} (one block size per cluster)")
+        if request.model_id != self.model_id:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{request.name} serves model {request.model_id!r}; this conductor serves "
+                                f"{self.model_id!r}")
+        self.index.drop_instance(request.name)  # a (re)started instance reports its cache afresh
+        self.registry.register(Instance(request.name, role, request.address, request.model_id, layout,
+                                        request.transfer))
+        return conductor_pb2.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    async def Heartbeat(self, request, context):
+        inst = self.registry.heartbeat(request.name, request.load, request.state)
+        if inst is None:
+            return conductor_pb2.HeartbeatReply(known=False)
+        for e in request.events:
+            if e.kind == common_pb2.KVEvent.KIND_STORED:
+                self.index.stored(request.name, list(e.block_hashes), e.medium or "dram")
+            elif e.kind == common_pb2.KVEvent.KIND_REMOVED:
+                self.index.removed(request.name, list(e.block_hashes))
+        return conductor_pb2.HeartbeatReply(known=True)
+
+    async def Deregister(self, request, context):
+        inst = self.registry.remove(request.name)
+        self.index.drop_instance(request.name)
+        return conductor_pb2.DeregisterReply(known=inst is not None)
+
+    async def SetDrain(self, request, context):
+        inst = self.registry.find(request.name)
+        if inst is None:
+            known = ", ".join(sorted(self.registry.instances)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r} (known: {known})")
+        inst.drained_by_operator = request.drain
+        try:
+            reply = await inst.stub.Drain(engine_pb2.DrainRequest(drain=request.drain), timeout=RPC_TIMEOUT_S)
+            inst.state = reply.state
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not tell %s to drain: %s", inst.name, e.code().name)
+        state = common_pb2.INSTANCE_STATE_DRAINING if request.drain else inst.state
+        return conductor_pb2.SetDrainReply(state=state)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval_s)
+            before = {n for n, i in self.registry.instances.items() if i.state == DEAD}
+            self.registry.sweep()
+            for name, inst in self.registry.instances.items():
+                if inst.state == DEAD and name not in before:
+                    self.index.drop_instance(name)
+
+    async def Status(self, request, context):
+        now = time.monotonic()
+        infos = [
+            conductor_pb2.InstanceInfo(
+                name=i.name, role=_ROLE_ENUMS[i.role], address=i.address,
+                state=common_pb2.INSTANCE_STATE_DRAINING if i.drained_by_operator and i.state != DEAD else i.state,
+                load=i.load, uptime_s=now - i.registered_at, last_heartbeat_age_s=now - i.last_heartbeat,
+                model_id=i.model_id)
+            for i in sorted(self.registry.instances.values(), key=lambda i: (i.role, i.name))
+        ]
+        return conductor_pb2.StatusReply(instances=infos, model_id=self.model_id, uptime_s=now - self.started)
+
+    # -- the request path -----------------------------------------------------------------
+    def tokenize(self, request: conductor_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            vocab = self.model_config.vocab_size
+            if any(t >= vocab for t in ids):
+                raise RequestError(f"token ids must be below the vocabulary size {vocab}")
+        elif kind == "messages":
+            msgs = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            if not msgs:
+                raise RequestError("messages is empty")
+            ids = self.tokenizer.encode_chat(msgs)
+        elif kind == "prompt":
+            if not request.prompt:
+                raise RequestError("the prompt is empty")
+            ids = (self.tokenizer.encode(request.prompt) if request.raw
+                   else self.tokenizer.encode_chat([{"role": "user", "content": request.prompt}]))
+        else:
+            raise RequestError("give a prompt, token_ids or messages")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        limit = self.model_config.max_position_embeddings
+        if len(ids) >= limit:
+            raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {limit} tokens")
+        return ids
+
+    async def Generate(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = sampling_from_proto(request.sampling)
+            ids = self.tokenize(request)
+        except (RequestError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(ids) + params.max_tokens > self.model_config.max_position_embeddings:
+            params.max_tokens = self.model_config.max_position_embeddings - len(ids)
+        hashes = block_hashes(ids, self.block_size, self.hash_seed)
+        route_p, route_d, reply = await self._prefill(context, rid, ids, params, hashes)
+        call = route_d.stub.Decode(engine_pb2.DecodeRequest(request_id=rid, first_token_id=reply.first_token_id,
+                                                            first_logprob=reply.first_logprob),
+                                   timeout=DECODE_TIMEOUT_S)
+        first = True
+        route_d.inflight += 1
+        try:
+            async for chunk in call:
+                out = conductor_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text,
+                                                  finish_reason=chunk.finish_reason, logprobs=chunk.logprobs)
+                if first:
+                    out.request_id = rid
+                    out.prompt_tokens = len(ids)
+                    out.num_cached_tokens = reply.num_cached_tokens
+                    out.prefill_instance = route_p.name
+                    out.decode_instance = route_d.name
+                    first = False
+                yield out
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.registry.mark_dead(route_d.name, f"stream broke: {e.details()}")
+            await context.abort(e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
+                                f"decode instance {route_d.name} failed mid-stream: {e.details()}")
+        finally:
+            route_d.inflight -= 1
+            call.cancel()  # a client that went away cancels the decode stream, which frees D's blocks
+
+    async def _prefill(self, context, rid: str, ids: list[int], params, hashes: list[int]):
+        """Reserve on a decode instance and prefill on a prefill instance, retrying elsewhere on failure."""
+        tried: set[str] = set()
+        decode: Instance | None = None
+        reserved = None
+        last_error = ""
+        sampling = sampling_to_proto(params)
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                route = pick(self.registry, self.index, hashes, len(ids), tried)
+            except NoInstanceError as e:
+                break_msg = f"{e}" + (f" (after failures: {last_error})" if last_error else "")
+                await self._release(decode, rid, reserved)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, break_msg)
+            if reserved is None:
+                decode = route.decode
+                try:
+                    reserved = await decode.stub.Reserve(
+                        engine_pb2.ReserveRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling),
+                        timeout=RPC_TIMEOUT_S)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() not in RETRYABLE:
+                        await context.abort(e.code(), e.details())
+                    last_error = f"{decode.name}: {e.details()}"
+                    tried.add(decode.name)
+                    reserved = None
+                    continue
+            prefill = route.prefill
+            prefill.inflight += 1
+            try:
+                reply = await prefill.stub.Prefill(
+                    engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                              decode_endpoint=reserved.endpoint,
+                                              decode_block_ids=reserved.block_ids, decode_layout=reserved.layout),
+                    timeout=PREFILL_TIMEOUT_S)
+                return prefill, decode, reply
+            except asyncio.CancelledError:
+                await self._release(decode, rid, reserved)
+                raise
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.ABORTED:
+                    # the KV push to the decode instance failed: give up that reservation, pick another
+                    log.warning("KV push of %s to %s failed: %s", rid, decode.name, e.details())
+                    await self._release(decode, rid, reserved)
+                    tried.add(decode.name)
+                    last_error = f"{decode.name}: {e.details()}"
+                    reserved = None
+                    continue
+                if e.code() not in RETRYABLE:
+                    await self._release(decode, rid, reserved)
+                    await context.abort(e.code(), e.details())
+                log.warning("prefill of %s on %s failed (%s); retrying elsewhere", rid, prefill.name, e.code().name)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_dead(prefill.name, e.details() or "unavailable")
+                last_error = f"{prefill.name}: {e.details()}"
+                tried.add(prefill.name)
+            finally:
+                prefill.inflight -= 1
+        await self._release(decode, rid, reserved)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"gave up after {MAX_ATTEMPTS} attempts: {last_error}")
+
+    async def _release(self, decode: Instance | None, rid: str, reserved) -> None:
+        if decode is None or reserved is None:
+            return
+        try:
+            await decode.stub.Abort(engine_pb2.AbortRequest(request_id=rid), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not release the reservation of %s on %s: %s", rid, decode.name, e.code().name)
+
+
+async def run_conductor_role(cfg) -> int:
+    """Serve the Conductor service until SIGTERM."""
+    from pathlib import Path
+
+    from mooncaked.engine.loader import read_model_config, resolve_model_dir
+    from mooncaked.roles.server import RoleServer, sd_notify, spawn
+
+    loop = asyncio.get_running_loop()
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
+    model_config, _ = read_model_config(model_dir)
+    service = ConductorService(Tokenizer(model_dir), model_config, model_dir.name, cfg.block_size, cfg.hash_seed,
+                               cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
+    server = RoleServer(str(cfg.listen), ["mooncake.v1.Conductor"])
+    conductor_pb2_grpc.add_ConductorServicer_to_server(service, server.server)
+    port = await server.start()
+    sweeper = spawn(service.sweep_forever(), "sweep")
+    server.install_signal_handlers()
+    print(f"mooncaked conductor {cfg.name}: gRPC on {cfg.listen.host}:{port}, model {model_dir.name}", flush=True)
+    sd_notify("READY=1")
+    await server.stopping.wait()
+    sd_notify("STOPPING=1")
+    sweeper.cancel()
+    await server.stop(cfg.drain_timeout_s)
+    for inst in service.registry.instances.values():
+        if inst.channel is not None:
+            await inst.channel.close()
+    return 0

@@ -1,0 +1,65 @@
+"""Between wire messages and the engine's own types (one place, so each side keeps its vocabulary)."""
+
+from __future__ import annotations
+
+from mooncaked.engine import EngineStats, SamplingParams
+from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.proto.mooncake.v1 import common_pb2
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int = 256) -> SamplingParams:
+    """Raises RequestError (-> INVALID_ARGUMENT) for values the engine cannot honour."""
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else default_max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )
+
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    p = common_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        p.seed = s.seed
+    return p
+
+
+def load_to_proto(s: EngineStats, queued_prefill_tokens: int = 0) -> common_pb2.InstanceLoad:
+    return common_pb2.InstanceLoad(
+        queued_prefill_tokens=queued_prefill_tokens,
+        running_requests=s.num_running,
+        waiting_requests=s.num_waiting,
+        free_kv_blocks=s.num_free_blocks,
+        total_kv_blocks=s.num_blocks,
+        prefix_hit_blocks=s.prefix_hit_blocks,
+        prefix_query_blocks=s.prefix_query_blocks,
+        prefill_tokens_computed=s.prefill_tokens_computed,
+        prompt_tokens_cached=s.prompt_tokens_cached,
+        decode_tokens=s.decode_tokens,
+        cached_kv_blocks=s.num_cached_blocks,
+        preemptions=s.num_preemptions,
+    )
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:
+    return common_pb2.KVLayout(
+        num_layers=layout.num_layers, block_size=layout.block_size, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, dtype=layout.dtype, element_size=layout.element_size,
+        num_blocks=layout.num_blocks, bytes_per_block=layout.block_bytes, kv_stride_bytes=layout.kv_stride,
+        layer_stride_bytes=layout.layer_stride, base_offset=0,
+    )
+
+
+def layout_from_proto(p: common_pb2.KVLayout) -> KVLayout:
+    return KVLayout(p.num_layers, p.num_blocks, p.block_size, p.num_kv_heads, p.head_dim, p.dtype, p.element_size)

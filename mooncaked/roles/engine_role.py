@@ -1,0 +1,87 @@
+"""`mooncaked --role prefill|decode`: load the model, open the data plane, serve, register, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from mooncaked.config import WorkerConfig
+from mooncaked.engine import Engine
+from mooncaked.engine.loader import resolve_model_dir
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_grpc
+from mooncaked.roles.convert import layout_to_proto
+from mooncaked.roles.kv_push import KV_REGION
+from mooncaked.roles.membership import Membership
+from mooncaked.roles.server import RoleServer, sd_notify, spawn
+from mooncaked.roles.worker import WorkerService
+from mooncaked.transfer import TransferEngine
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_MEDIUM = {"cpu": "dram"}
+
+
+def model_id_of(model_dir) -> str:
+    return model_dir.name
+
+
+async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
+    loop = asyncio.get_running_loop()
+    backend = "tcp" if cfg.transfer_backend == "auto" else cfg.transfer_backend
+    transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port)
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
+    engine = await loop.run_in_executor(
+        None, lambda: Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n)))
+    engine.start_driver(loop)
+    await transfer.start()
+    service = WorkerService(cfg.name, role, engine, transfer, model_id_of(model_dir), cfg.kv_push)
+    server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"])
+    engine_pb2_grpc.add_EngineServicer_to_server(service, server.server)
+    port = await server.start()
+    address = f"{cfg.advertise_address.host}:{port}"
+    medium = _MEDIUM.get(engine.runner.device.type, "hbm")
+
+    def register() -> conductor_pb2.RegisterRequest:
+        return conductor_pb2.RegisterRequest(name=cfg.name, role=_ROLES[role], address=address,
+                                             model_id=service.model_id, layout=layout_to_proto(service.layout),
+                                             transfer=service.endpoint())
+
+    def heartbeat() -> conductor_pb2.HeartbeatRequest:
+        events = []
+        for e in engine.block_manager.drain_events():
+            kind = common_pb2.KVEvent.KIND_STORED if e.kind == "stored" else common_pb2.KVEvent.KIND_REMOVED
+            events.append(common_pb2.KVEvent(kind=kind, block_hashes=e.block_hashes, medium=medium,
+                                             instance=cfg.name))
+        return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
+                                              events=events)
+
+    membership = Membership(str(cfg.conductor), register, heartbeat, cfg.heartbeat_interval_s)
+    tasks = [spawn(membership.run(), "membership"), spawn(service.expire_reservations(), "reservations")]
+    server.install_signal_handlers()
+    print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}",
+          flush=True)
+    sd_notify("READY=1")
+    await server.stopping.wait()
+
+    # drain: take no new work, finish what is in flight, leave the cluster, exit 0
+    sd_notify("STOPPING=1")
+    log.info("%s draining (up to %.0fs)", cfg.name, cfg.drain_timeout_s)
+    service.draining = True
+    deadline = time.monotonic() + cfg.drain_timeout_s
+    while not service.idle() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if not service.idle():
+        log.warning("%s: drain timeout; aborting what is left", cfg.name)
+    await membership.deregister(cfg.name)
+    for t in tasks:
+        t.cancel()
+    await server.stop(1.0)
+    await membership.close()
+    engine.close()
+    await transfer.close()
+    log.info("%s stopped", cfg.name)
+    return 0

@@ -1,0 +1,91 @@
+"""A prefill instance pushing a request's KV into the decode instance's blocks, layer by layer.
+
+The engine calls ``on_layer`` on its own thread right after a layer wrote its K/V for the
+step; we turn the token range that became ready into transfer ops and hand them to the
+event loop, so the bytes move while the next layer computes. Tokens already in the
+prefill's cache before the request (a prefix hit) go out with the first push of each layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.transfer import TransferEngine, TransferOp
+
+log = logging.getLogger(__name__)
+
+KV_REGION = "kv"
+
+
+def range_ops(local: KVLayout, remote: KVLayout, layer: int, local_blocks: list[int], remote_blocks: list[int],
+              start: int, end: int, peer: str) -> list[TransferOp]:
+    """Ops that copy tokens [start, end) of one layer's K and V, block by block."""
+    ops: list[TransferOp] = []
+    bs = local.block_size
+    for j in range(start // bs, (end - 1) // bs + 1):
+        t0 = max(start, j * bs) - j * bs
+        t1 = min(end, (j + 1) * bs) - j * bs
+        length = (t1 - t0) * local.token_bytes
+        for kv in (0, 1):
+            ops.append(TransferOp("write", KV_REGION, local.offset(layer, kv, local_blocks[j], t0), peer,
+                                  KV_REGION, remote.offset(layer, kv, remote_blocks[j], t0), length))
+    return ops
+
+
+@dataclass
+class KVPush:
+    transfer: TransferEngine
+    loop: asyncio.AbstractEventLoop
+    local: KVLayout
+    remote: KVLayout
+    peer: str
+    remote_blocks: list[int]
+    num_tokens: int
+    layerwise: bool = True  # False: push everything once the prompt is done (the baseline)
+    pushed: list[int] = field(default_factory=list)  # per layer: tokens pushed so far
+    tasks: list[asyncio.Future] = field(default_factory=list)
+    bytes_sent: int = 0
+
+    def __post_init__(self) -> None:
+        self.pushed = [0] * self.local.num_layers
+
+    def on_layer(self, layer: int, step: StepSeq) -> None:
+        """Engine thread: the layer now holds KV for tokens up to step.start + step.num_tokens."""
+        end = min(step.start + step.num_tokens, self.num_tokens)
+        if not self.layerwise:
+            if step.finishes_prompt and layer == self.local.num_layers - 1:
+                blocks = list(step.block_table)
+                for i in range(self.local.num_layers):
+                    self._push(i, blocks, 0, self.num_tokens)
+            return
+        self._push(layer, list(step.block_table), self.pushed[layer], end)
+
+    def _push(self, layer: int, blocks: list[int], start: int, end: int) -> None:
+        if end <= start:
+            return
+        ops = range_ops(self.local, self.remote, layer, blocks, self.remote_blocks, start, end, self.peer)
+        self.pushed[layer] = end
+        self.bytes_sent += sum(op.length for op in ops)
+        self.loop.call_soon_threadsafe(self._submit, ops)
+
+    def _submit(self, ops: list[TransferOp]) -> None:
+        self.tasks.append(asyncio.ensure_future(self.transfer.submit(ops)))
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until every byte is at the decode instance; raises the first transfer error."""
+        # pushes scheduled from the engine thread land on the loop in order; let them arrive
+        await asyncio.sleep(0)
+        try:
+            await asyncio.wait_for(asyncio.gather(*self.tasks), timeout_s)
+        finally:
+            for t in self.tasks:
+                if not t.done():
+                    t.cancel()
+
+    @property
+    def complete(self) -> bool:
+        return all(p >= self.num_tokens for p in self.pushed)

@@ -1,0 +1,100 @@
+"""What every daemon shares: a grpc.aio server with health checking and reflection,
+one shutdown path for SIGTERM/SIGINT, and systemd's notify protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+# every call from one role to another carries a deadline; these are the defaults
+RPC_TIMEOUT_S = 10.0
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+# servers accept the clients' keepalive pings (the default policy answers them with GOAWAY)
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd (Type=notify) about our state: one datagram to $NOTIFY_SOCKET, if set."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+    except OSError as e:
+        log.warning("could not notify systemd (%s): %s", state, e)
+
+
+class RoleServer:
+    """Owns one grpc.aio server; ``serve()`` runs until a signal, then shuts down once."""
+
+    def __init__(self, listen: str, service_names: Iterable[str]) -> None:
+        self.listen = listen
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = list(service_names)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self._names = names
+        self.stopping = asyncio.Event()
+        self.port = 0
+
+    async def start(self) -> int:
+        self.port = self.server.add_insecure_port(self.listen)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def _set_health(self, status) -> None:
+        for name in ["", *self._names]:
+            result = self.health.set(name, status)
+            if asyncio.iscoroutine(result):
+                await result
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+
+    async def not_serving(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.not_serving()
+        await self.server.stop(grace_s)
+
+
+def log_task_failure(task: asyncio.Task) -> None:
+    """Done-callback for background tasks: a failure is logged, never lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+
+def spawn(coro, name: str) -> asyncio.Task:
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    task.add_done_callback(log_task_failure)
+    return task

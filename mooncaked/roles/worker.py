@@ -1,0 +1,239 @@
+"""Prefill and decode instances: an Engine gRPC service over a local engine and a transfer endpoint.
+
+Prefill: compute the prompt (reusing the local prefix cache), push each layer's KV into
+the decode instance's reserved blocks as soon as it is written, answer with the first
+token once every byte has landed. Decode: reserve blocks for a prompt's KV, then take
+the request into the running batch and stream its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from mooncaked.engine import Engine, Output, RequestError, SamplingParams
+from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.hashing import block_hashes
+from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from mooncaked.roles.convert import layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto
+from mooncaked.roles.kv_push import KV_REGION, KVPush
+from mooncaked.transfer import TransferEngine, TransferError
+
+log = logging.getLogger(__name__)
+
+RESERVATION_TTL_S = 60.0
+PREFILL_TIMEOUT_S = 600.0
+PUSH_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Reservation:
+    blocks: list[int]
+    prompt: list[int]
+    params: SamplingParams
+    expires: float
+
+
+class WorkerService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, name: str, role: str, engine: Engine, transfer: TransferEngine, model_id: str,
+                 kv_push: str = "layerwise") -> None:
+        self.name = name
+        self.role = role
+        self.engine = engine
+        self.transfer = transfer
+        self.model_id = model_id
+        self.layerwise = kv_push == "layerwise"
+        self.layout: KVLayout = engine.runner.kv.layout()
+        self.started = time.monotonic()
+        self.draining = False
+        self.reserved: dict[str, Reservation] = {}
+        self.pushes: dict[str, KVPush] = {}
+        self.queued_prefill_tokens = 0
+        self.inflight = 0
+        engine.layer_hook = self._on_layer
+
+    # -- helpers --------------------------------------------------------------------------
+    def _on_layer(self, layer: int, seqs: list[StepSeq]) -> None:
+        for s in seqs:
+            push = self.pushes.get(s.request_id)
+            if push is not None:
+                push.on_layer(layer, s)
+
+    async def _refuse_if(self, context: grpc.aio.ServicerContext, role: str) -> None:
+        if self.role != role:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{self.name} is a {self.role} instance; this call needs a {role} instance")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining and takes no new work")
+
+    def endpoint(self) -> common_pb2.TransferEndpoint:
+        info = self.transfer.info()
+        region = info.regions.get(KV_REGION)
+        return common_pb2.TransferEndpoint(address=self.transfer.address, backend=self.transfer.backend,
+                                           region=KV_REGION, same_host_id=info.host_id,
+                                           shm_name=(region.shm_name or "") if region else "")
+
+    def idle(self) -> bool:
+        return not self.reserved and not self.pushes and self.inflight == 0 and not self.engine.has_work()
+
+    async def expire_reservations(self) -> None:
+        """A reservation whose Decode never comes (conductor died, client left) is given back."""
+        while True:
+            await asyncio.sleep(5.0)
+            now = time.monotonic()
+            for rid, res in list(self.reserved.items()):
+                if res.expires < now:
+                    self.reserved.pop(rid, None)
+                    await self.engine.call(self.engine.unreserve, res.blocks)
+                    log.warning("reservation %s expired; %d blocks freed", rid, len(res.blocks))
+
+    # -- decode side ----------------------------------------------------------------------
+    async def Reserve(self, request, context):
+        await self._refuse_if(context, "decode")
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_from_proto(request.sampling)
+            self.engine.tokenize(prompt)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if request.request_id in self.reserved or not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty and unused")
+        if len(prompt) >= self.engine.max_model_len:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt of {len(prompt)} tokens exceeds the context of {self.engine.max_model_len}")
+        blocks = await self.engine.call(self.engine.reserve, len(prompt))
+        if blocks is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.name} has no free KV blocks for {len(prompt)} tokens now")
+        self.reserved[request.request_id] = Reservation(blocks, prompt, params, time.monotonic() + RESERVATION_TTL_S)
+        return engine_pb2.ReserveReply(block_ids=blocks, endpoint=self.endpoint(), layout=layout_to_proto(self.layout))
+
+    async def Decode(self, request, context):
+        res = self.reserved.pop(request.request_id, None)
+        if res is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no reservation for request {request.request_id!r}")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.inflight += 1
+        finished = False
+        try:
+            try:
+                self.engine.add_prefilled(request.request_id, res.prompt, request.first_token_id, res.blocks,
+                                          res.params, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
+                                          request.first_logprob if res.params.logprobs else None)
+            except RequestError as e:
+                await self.engine.call(self.engine.unreserve, res.blocks)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else []
+                yield engine_pb2.TokenChunk(token_ids=out.new_token_ids, text=out.new_text, logprobs=lps,
+                                            finish_reason=out.finish_reason or "")
+        finally:
+            self.inflight -= 1
+            if not finished:  # the caller went away: stop and free the blocks
+                self.engine.abort(request.request_id)
+
+    # -- prefill side ---------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        await self._refuse_if(context, "prefill")
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        remote = layout_from_proto(request.decode_layout)
+        why = self.layout.compatible(remote)
+        if why:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"decode KV layout does not match: {why}")
+        if len(request.decode_block_ids) != -(-len(prompt) // self.layout.block_size):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(request.decode_block_ids)} decode blocks for {len(prompt)} prompt tokens")
+        if rid in self.pushes or not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty and unused")
+        try:
+            params = sampling_from_proto(request.sampling)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        loop = asyncio.get_running_loop()
+        push = KVPush(self.transfer, loop, self.layout, remote, request.decode_endpoint.address,
+                      list(request.decode_block_ids), len(prompt), self.layerwise)
+        first: asyncio.Future[Output] = loop.create_future()
+
+        def sink(out: Output) -> None:
+            if out.finished:
+                loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
+
+        one = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+        self.pushes[rid] = push
+        self.queued_prefill_tokens += len(prompt)
+        self.inflight += 1
+        added = False
+        try:
+            try:
+                self.engine.add_request(prompt, one, rid, sink, hold_blocks=True)
+                added = True
+            except RequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            out = await asyncio.wait_for(first, PREFILL_TIMEOUT_S)
+            if out.finish_reason == "abort":
+                await context.abort(grpc.StatusCode.CANCELLED, "prefill was aborted")
+            try:
+                await push.wait(PUSH_TIMEOUT_S)
+            except (TransferError, asyncio.TimeoutError) as e:
+                # ABORTED: the decode side is at fault; the conductor picks another decode instance
+                await context.abort(grpc.StatusCode.ABORTED, f"pushing KV to {push.peer} failed: {e}")
+            assert push.complete, "prefill finished without pushing every layer"
+            token = out.token_ids[0]
+            # the request ends here only if the first token ends it for the *real* limits
+            finished = out.finish_reason == "stop" or params.max_tokens == 1
+            return engine_pb2.PrefillReply(
+                first_token_id=token, first_logprob=(out.logprobs or [0.0])[0],
+                num_cached_tokens=out.num_cached_tokens,
+                num_computed_tokens=len(prompt) - out.num_cached_tokens,
+                finished=finished, finish_reason=(out.finish_reason or "") if finished else "",
+            )
+        finally:
+            self.pushes.pop(rid, None)
+            self.inflight -= 1
+            self.queued_prefill_tokens -= len(prompt)
+            if added:
+                if not first.done():
+                    self.engine.abort(rid)  # the caller went away mid-prefill
+                await self.engine.call(self.engine.release, rid)
+
+    # -- common ---------------------------------------------------------------------------
+    async def Abort(self, request, context):
+        res = self.reserved.pop(request.request_id, None)
+        if res is not None:
+            await self.engine.call(self.engine.unreserve, res.blocks)
+            return engine_pb2.AbortReply(found=True)
+        self.engine.abort(request.request_id)
+        return engine_pb2.AbortReply(found=request.request_id in self.pushes)
+
+    def load(self) -> common_pb2.InstanceLoad:
+        return load_to_proto(self.engine.stats(), self.queued_prefill_tokens)
+
+    async def Stats(self, request, context):
+        role = common_pb2.ROLE_PREFILL if self.role == "prefill" else common_pb2.ROLE_DECODE
+        return engine_pb2.StatsReply(name=self.name, role=role, load=self.load(), layout=layout_to_proto(self.layout),
+                                     uptime_s=time.monotonic() - self.started, model_id=self.model_id)
+
+    def state(self) -> int:
+        return common_pb2.INSTANCE_STATE_DRAINING if self.draining else common_pb2.INSTANCE_STATE_SERVING
+
+    async def Drain(self, request, context):
+        self.draining = request.drain
+        log.info("%s %s", self.name, "draining" if self.draining else "serving again")
+        return engine_pb2.DrainReply(state=self.state())
+
+    async def CachedPrefix(self, request, context):
+        hashes = list(request.block_hashes)
+        n = self.engine.block_manager.cached_prefix_len(hashes)
+        return engine_pb2.CachedPrefixReply(num_blocks=n)
+
+    def prefix_hashes(self, token_ids: list[int]) -> list[int]:
+        return block_hashes(token_ids, self.layout.block_size, self.engine.config.hash_seed)
