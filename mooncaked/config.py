@@ -311,6 +311,9 @@ class WorkerConfig(RoleConfig):
     transfer_listen: HostPort | None = _setting(None, _optional(_address(listening=True)),
                                                 "HOST:PORT of the data-plane server, port 0 = any "
                                                 "(default: listen's host, any port)", "HOST:PORT")
+    transfer_rate_limit: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
+                                               "cap the data plane's send rate, bytes/s (emulates a slower "
+                                               "network in benchmarks; default: no cap)", "SIZE")
     kv_push: str = _setting("layerwise", _choice(("layerwise", "after_prefill")),
                             "prefill pushes KV to decode after each layer, or once the prompt is done", "MODE")
     store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB", "SIZE")

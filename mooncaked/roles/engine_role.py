@@ -31,7 +31,8 @@ def model_id_of(model_dir) -> str:
 async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     loop = asyncio.get_running_loop()
     backend = "tcp" if cfg.transfer_backend == "auto" else cfg.transfer_backend
-    transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port)
+    transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port,
+                              rate_limit_bytes_per_s=cfg.transfer_rate_limit)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     engine = await loop.run_in_executor(

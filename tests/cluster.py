@@ -1,0 +1,101 @@
+"""Start real `mooncaked` processes on loopback ports for the cluster tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    model: Path
+    log_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    conductor_port: int = 0
+
+    @property
+    def conductor(self) -> str:
+        return f"127.0.0.1:{self.conductor_port}"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
+        env.update({
+            "MOONCAKED_MODEL": str(self.model),
+            "MOONCAKED_BLOCK_SIZE": "4",
+            "MOONCAKED_KV_CACHE_BYTES": "8MiB",
+            "MOONCAKED_HEARTBEAT_INTERVAL_S": "0.3",
+            "MOONCAKED_HEARTBEAT_TIMEOUT_S": "2",
+            "MOONCAKED_DRAIN_TIMEOUT_S": "5",
+            "MOONCAKED_LOG_LEVEL": "INFO",
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self, name: str, role: str, *args: str) -> int:
+        port = free_port()
+        cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", f"127.0.0.1:{port}",
+               "--name", name, *args]
+        if role != "conductor":
+            cmd += ["--conductor", self.conductor]
+        else:
+            self.conductor_port = port
+        log = open(self.log_dir / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        self.ports[name] = port
+        return port
+
+    def status(self) -> conductor_pb2.StatusReply:
+        with grpc.insecure_channel(self.conductor) as ch:
+            return conductor_pb2_grpc.ConductorStub(ch).Status(conductor_pb2.StatusRequest(), timeout=5)
+
+    def wait_serving(self, names: list[str], timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for n, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{n} exited with {p.returncode}: {self.log(n)[-3000:]}")
+            try:
+                st = self.status()
+                serving = {i.name for i in st.instances if i.state == 2}
+                if set(names) <= serving:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{names} not serving after {timeout_s}s")
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

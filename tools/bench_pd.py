@@ -1,0 +1,158 @@
+"""TTFT of the disaggregated path with layer-wise KV push against push-after-prefill.
+
+Starts a real conductor, one prefill and one decode instance (separate processes) on
+loopback, with the data plane capped to a rate at which moving a prompt's KV takes about
+as long as computing it. Measures, in the same run:
+  compute  = prefill time of the prompt on the prefill instance (uncapped run, from its Stats)
+  transfer = KV bytes / rate cap
+  TTFT with kv_push=layerwise and with kv_push=after_prefill.
+Aim: TTFT(layerwise) <= 1.25 x max(compute, transfer); push-after-prefill pays compute + transfer.
+
+    python tools/bench_pd.py [--quick] [--json] [--model PATH] [--prompt-len N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MiniCluster:
+    def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.conductor = f"127.0.0.1:{_free_port()}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
+        base.update({"MOONCAKED_MODEL": model, "MOONCAKED_ENABLE_PREFIX_CACHING": "false",
+                     "MOONCAKED_HEARTBEAT_INTERVAL_S": "0.5", "MOONCAKED_LOG_LEVEL": "WARNING", **env})
+        for role in ("conductor", "prefill", "decode"):
+            listen = self.conductor if role == "conductor" else f"127.0.0.1:{_free_port()}"
+            cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", listen, "--name", role]
+            if role != "conductor":
+                cmd += ["--conductor", self.conductor]
+            log = open(log_dir / f"{role}.log", "w")
+            self.procs.append(subprocess.Popen(cmd, env=base, stdout=log, stderr=subprocess.STDOUT))
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            while time.monotonic() < deadline:
+                if any(p.poll() is not None for p in self.procs):
+                    raise RuntimeError("a mooncaked process exited during start")
+                try:
+                    st = stub.Status(conductor_pb2.StatusRequest(), timeout=2)
+                    if sum(i.state == 2 for i in st.instances) == 2:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+        raise TimeoutError("cluster did not become ready")
+
+    def ttft(self, prompt: list[int]) -> tuple[float, conductor_pb2.GenerateChunk]:
+        with grpc.insecure_channel(self.conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
+                                                sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True))
+            t0 = time.perf_counter()
+            stream = stub.Generate(req, timeout=600)
+            first = next(stream)
+            ttft = time.perf_counter() - t0
+            for _ in stream:
+                pass
+        return ttft, first
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def run_mode(model: str, env: dict[str, str], prompts: list[list[int]], log_dir: Path) -> list[float]:
+    cluster = MiniCluster(model, log_dir, env)
+    try:
+        cluster.wait_ready()
+        cluster.ttft(prompts[0][:32])  # warm up
+        return [cluster.ttft(p)[0] for p in prompts]
+    finally:
+        cluster.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="prompt 512, one repeat (< 1 min after the model is cached)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompt_len, args.repeats = 512, 1
+    from mooncaked.engine.loader import read_model_config, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model)
+    cfg, _ = read_model_config(model_dir)
+    kv_bytes = 2 * cfg.num_layers * args.prompt_len * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 on CPU
+    prompts = _prompts(args.repeats, args.prompt_len, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = Path(tmp)
+        # 1. compute alone: no cap, so the push costs ~nothing next to the prefill
+        uncapped = run_mode(str(model_dir), {"MOONCAKED_KV_PUSH": "layerwise"}, prompts, log_dir)
+        compute = _median(uncapped)
+        rate = max(1, int(kv_bytes / compute))  # transfer time ~= compute time
+        capped = {"MOONCAKED_TRANSFER_RATE_LIMIT": str(rate)}
+        layerwise = run_mode(str(model_dir), {**capped, "MOONCAKED_KV_PUSH": "layerwise"}, prompts, log_dir)
+        after = run_mode(str(model_dir), {**capped, "MOONCAKED_KV_PUSH": "after_prefill"}, prompts, log_dir)
+    transfer = kv_bytes / rate
+    bound = max(compute, transfer)
+    result = {
+        "model": model_dir.name, "prompt_len": args.prompt_len, "kv_bytes": kv_bytes,
+        "rate_cap_MBps": round(rate / 1e6, 2),
+        "compute_s": round(compute, 3), "transfer_s": round(transfer, 3),
+        "ttft_layerwise_s": round(_median(layerwise), 3), "ttft_after_prefill_s": round(_median(after), 3),
+        "layerwise_over_bound": round(_median(layerwise) / bound, 3),
+        "after_prefill_over_bound": round(_median(after) / bound, 3),
+        "speedup_layerwise_vs_after": round(_median(after) / _median(layerwise), 3),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>26}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
