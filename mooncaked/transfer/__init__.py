@@ -1,0 +1,35 @@
+"""Data plane: register memory regions, move bytes between peers in batches.
+
+Backends: tcp (default), shm (peers on one host), rdma (Mooncake's Transfer
+Engine, optional); auto picks shm or tcp per peer. Knows nothing of models.
+"""
+
+from mooncaked.transfer.api import (
+    BackendUnavailableError,
+    EngineStats,
+    OutOfBoundsError,
+    PeerInfo,
+    PeerUnavailableError,
+    ProtocolError,
+    RegionInfo,
+    TransferError,
+    TransferOp,
+    TransferTimeoutError,
+    UnknownRegionError,
+)
+from mooncaked.transfer.engine import TransferEngine
+
+__all__ = [
+    "BackendUnavailableError",
+    "EngineStats",
+    "OutOfBoundsError",
+    "PeerInfo",
+    "PeerUnavailableError",
+    "ProtocolError",
+    "RegionInfo",
+    "TransferEngine",
+    "TransferError",
+    "TransferOp",
+    "TransferTimeoutError",
+    "UnknownRegionError",
+]

@@ -1,0 +1,125 @@
+"""Shared-memory and auto path choice, in one process (the two-process shm
+round trip lives in test_transfer.py): which path carries which op, stale
+segments, and that /dev/shm is left clean."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+import uvloop
+from prometheus_client import REGISTRY
+
+from mooncaked.transfer import TransferEngine, TransferError, TransferOp, UnknownRegionError
+from mooncaked.transfer.shm_path import INLINE_COPY_BYTES
+
+MiB = 1024 * 1024
+
+
+def shm_names() -> set[str]:
+    """This process's segments (names carry the pid), so other suites' don't count."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"mooncaked-{os.getpid()}-")}
+
+
+def sent(backend: str) -> float:
+    return REGISTRY.get_sample_value("mooncaked_transfer_sent_bytes_total", {"backend": backend}) or 0.0
+
+
+def rand_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def clean_shm() -> object:
+    before = shm_names()
+    yield before
+    assert shm_names() == before, "shm segments leaked"
+
+
+@pytest.mark.timeout(60)
+def test_auto_uses_shm_for_shm_regions_and_tcp_for_the_rest(clean_shm: object) -> None:
+    async def body() -> None:
+        a, b = TransferEngine(backend="auto"), TransferEngine(backend="auto")
+        addr = await b.start()
+        try:
+            src_t = rand_bytes(2 * INLINE_COPY_BYTES, 1)
+            src = a.register("src", src_t)  # the local side may be plain memory
+            assert src.shm_name is None
+            dst = b.alloc_region("dst", 2 * INLINE_COPY_BYTES)
+            plain = torch.zeros(MiB, dtype=torch.uint8)
+            b.register("plain", plain)
+            shm0, tcp0 = sent("shm"), sent("tcp")
+            n = 2 * INLINE_COPY_BYTES  # above the inline limit: copied in a worker thread
+            await a.submit([TransferOp("write", "src", 0, addr, "dst", 0, n)])
+            await a.submit([TransferOp("write", "src", 0, addr, "dst", 0, 1000)])  # small: inline
+            await a.submit([TransferOp("write", "src", 0, addr, "plain", 0, MiB)])
+            assert sent("shm") - shm0 == n + 1000
+            assert sent("tcp") - tcp0 == MiB
+            assert torch.equal(dst, src_t[:n]) and torch.equal(plain, src_t[:MiB])
+        finally:
+            await a.close()
+            await b.close()
+
+    uvloop.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_reregistered_remote_region_is_followed(clean_shm: object) -> None:
+    async def body() -> None:
+        a, b = TransferEngine(backend="shm"), TransferEngine(backend="shm")
+        addr = await b.start()
+        try:
+            src = a.alloc_region("src", MiB)
+            src.copy_(rand_bytes(MiB, 2))
+            old = b.alloc_region("dst", MiB)
+            await a.submit([TransferOp("write", "src", 0, addr, "dst", 0, MiB)])
+            assert torch.equal(old, src)
+            b.unregister("dst")
+            with pytest.raises(UnknownRegionError, match="'dst'"):
+                await a.submit([TransferOp("write", "src", 0, addr, "dst", 0, 10)])
+            new = b.alloc_region("dst", 2 * MiB)
+            await a.submit([TransferOp("write", "src", 0, addr, "dst", MiB, MiB)])
+            assert torch.equal(new[MiB:], src)  # into the new segment, not the dead one
+        finally:
+            await a.close()
+            await b.close()
+
+    uvloop.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_segments_are_unlinked_on_unregister_and_close(clean_shm: set[str]) -> None:
+    async def body() -> None:
+        engine = TransferEngine(backend="shm")
+        await engine.start()
+        engine.alloc_region("a", MiB)
+        engine.alloc_region("b", 3 * 4096 + 1)
+        assert len(shm_names() - clean_shm) == 2
+        with pytest.raises(TransferError, match="already registered"):
+            engine.alloc_region("a", MiB)  # the segment made for it must not linger
+        assert len(shm_names() - clean_shm) == 2
+        engine.unregister("a")
+        assert len(shm_names() - clean_shm) == 1
+        await engine.close()
+        await engine.close()  # idempotent
+
+    asyncio.run(body())
+
+
+@pytest.mark.timeout(60)
+def test_shm_backend_needs_peer_regions_in_shm(clean_shm: object) -> None:
+    async def body() -> None:
+        a, b = TransferEngine(backend="shm"), TransferEngine(backend="tcp")
+        addr = await b.start()
+        try:
+            a.alloc_region("src", 4096)
+            b.alloc_region("dst", 4096)  # a tcp engine allocates ordinary memory
+            with pytest.raises(TransferError, match="not in shared memory"):
+                await a.submit([TransferOp("read", "src", 0, addr, "dst", 0, 4096)])
+        finally:
+            await a.close()
+            await b.close()
+
+    uvloop.run(body())

@@ -1,0 +1,293 @@
+"""Benchmark the data plane against plain baselines measured in the same run.
+
+Rows (the same total bytes, moved as fixed-size blocks):
+  socket   plain blocking sockets: sendall from a memoryview, recv_into a
+           preallocated buffer (the ceiling for any tcp transport here)
+  tcp      TransferEngine(backend="tcp"), one batch of write ops (default
+           4 connections per peer, and again with 1)
+  memcpy   torch copy_ and ctypes.memmove of the same blocks in one process
+  shm      TransferEngine(backend="shm"), peer in another process
+  mooncake mooncake-transfer-engine's TCP transport, when importable
+           (through our adapter, mooncaked.transfer.rdma; run after the others)
+
+Usage: python tools/bench_transfer.py [--quick] [--json] [--total-mib N] [--block-mib N]
+Baseline and engine reps are interleaved so both see the same machine load.
+Processes are spawned, never forked: forking after allocating big buffers
+would make every page copy-on-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import hashlib
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import uvloop
+
+from mooncaked.transfer import TransferEngine, TransferOp
+from mooncaked.transfer.rdma import MooncakeTransport, RdmaOp
+
+MiB = 1024 * 1024
+CTX = mp.get_context("spawn")
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.numpy().data, digest_size=16).hexdigest()
+
+
+def _fill(t: torch.Tensor) -> None:
+    """Random bytes tiled from 8 MiB, each 4 KiB page stamped with its index,
+    so a misplaced block changes the digest (cheaper than 1 GiB of randint)."""
+    g = torch.Generator().manual_seed(1234)
+    tile = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=g)
+    for o in range(0, t.numel(), tile.numel()):
+        n = min(tile.numel(), t.numel() - o)
+        t[o : o + n].copy_(tile[:n])
+    pages = t.numel() // 4096
+    stamps = torch.arange(pages, dtype=torch.int64).view(torch.uint8).view(pages, 8)
+    t[: pages * 4096].view(pages, 4096)[:, :8].copy_(stamps)
+
+
+# -- peers in other processes ------------------------------------------------------
+def _socket_receiver(pipe: Connection, total: int) -> None:
+    """Plain baseline: recv_into one preallocated buffer, ack each full pass."""
+    buf = bytearray(total)
+    view = memoryview(buf)
+    srv = socket.create_server(("127.0.0.1", 0))
+    pipe.send(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    while True:
+        got = 0
+        while got < total:
+            n = conn.recv_into(view[got:], total - got)
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+
+
+def _engine_peer(pipe: Connection, backend: str, total: int) -> None:
+    async def main() -> None:
+        engine = TransferEngine(backend=backend)
+        dst = engine.alloc_region("dst", total)
+        pipe.send(await engine.start())
+        loop = asyncio.get_running_loop()
+        while (cmd := await loop.run_in_executor(None, pipe.recv)) != "stop":
+            assert cmd == "digest"
+            pipe.send(_digest(dst))
+        await engine.close()
+
+    uvloop.run(main())
+
+
+def _spawn(target: Any, *args: Any) -> tuple[Connection, Any, Any]:
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    return parent, proc, parent.recv()
+
+
+def _gbps(total: int, seconds: float) -> float:
+    return total / seconds / 1e9
+
+
+def bench_tcp(total: int, block: int, reps: int) -> dict[str, list[float] | bool]:
+    """Plain socket and engine tcp, reps interleaved so both see the same load."""
+    _, sock_proc, port = _spawn(_socket_receiver, total)
+    pipe, peer_proc, peer = _spawn(_engine_peer, "tcp", total)
+    times: dict[str, list[float] | bool] = {"socket": [], "tcp": [], "tcp_1conn": []}
+
+    async def main() -> bool:
+        engine = TransferEngine(backend="tcp")
+        one = TransferEngine(backend="tcp", connections_per_peer=1)
+        src = engine.alloc_region("src", total)
+        one.register("src", src)
+        _fill(src)
+        view = src.numpy().data
+        ops = [TransferOp("write", "src", o, peer, "dst", o, block) for o in range(0, total, block)]
+        loop = asyncio.get_running_loop()
+        for eng in (engine, one):
+            await eng.submit(ops[:1])  # opens the pool: set-up, not transfer
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setblocking(True)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                sock.sendall(view)  # blocking on purpose: the plain-socket ceiling
+                assert sock.recv(1) == b"k"
+                times["socket"].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+                for key, eng in (("tcp", engine), ("tcp_1conn", one)):
+                    t0 = time.perf_counter()
+                    await eng.submit(ops)
+                    times[key].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+        pipe.send("digest")
+        ok = await loop.run_in_executor(None, pipe.recv) == _digest(src)
+        await one.close()
+        await engine.close()
+        return ok
+
+    try:
+        times["tcp_verified"] = uvloop.run(main())
+    finally:
+        pipe.send("stop")
+        peer_proc.join(30)
+        sock_proc.join(30)
+    return times
+
+
+def bench_shm(total: int, block: int, reps: int) -> dict[str, list[float] | bool]:
+    """In-process copies (torch copy_, memmove) and engine shm, interleaved."""
+    pipe, peer_proc, peer = _spawn(_engine_peer, "shm", total)
+    times: dict[str, list[float] | bool] = {"torch_copy": [], "memmove": [], "shm": []}
+
+    async def main() -> bool:
+        engine = TransferEngine(backend="shm")
+        src = engine.alloc_region("src", total)
+        _fill(src)
+        dst = torch.zeros(total, dtype=torch.uint8)
+        ops = [TransferOp("write", "src", o, peer, "dst", o, block) for o in range(0, total, block)]
+        await engine.submit(ops[:1])  # the control query and the mapping are set-up, not transfer
+        for _ in range(reps):
+            for kind in ("torch_copy", "memmove"):
+                dst.zero_()
+                t0 = time.perf_counter()
+                for o in range(0, total, block):
+                    if kind == "memmove":
+                        ctypes.memmove(dst.data_ptr() + o, src.data_ptr() + o, block)
+                    else:
+                        dst[o : o + block].copy_(src[o : o + block])
+                times[kind].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+                assert torch.equal(src, dst)
+            t0 = time.perf_counter()
+            await engine.submit(ops)
+            times["shm"].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+        pipe.send("digest")
+        ok = pipe.recv() == _digest(src)
+        await engine.close()
+        return ok
+
+    try:
+        times["shm_verified"] = uvloop.run(main())
+    finally:
+        pipe.send("stop")
+        peer_proc.join(30)
+    return times
+
+
+# -- mooncake-transfer-engine (optional) -------------------------------------
+def _mooncake_peer(pipe: Connection, total: int) -> None:
+    transport = MooncakeTransport("127.0.0.1", "tcp")
+    dst = torch.zeros(total, dtype=torch.uint8)
+    transport.register(dst.data_ptr(), total)
+    pipe.send((transport.session, dst.data_ptr()))
+    pipe.recv()
+    pipe.send(_digest(dst))
+
+
+def bench_mooncake(total: int, block: int, reps: int) -> tuple[list[float], bool] | str:
+    try:
+        import mooncake.engine  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return "not installed"
+    parent, child = CTX.Pipe()
+    proc = CTX.Process(target=_mooncake_peer, args=(child, total), daemon=True)
+    proc.start()
+    session, base = parent.recv()
+    transport = MooncakeTransport("127.0.0.1", "tcp")
+    src = torch.empty(total, dtype=torch.uint8)
+    _fill(src)
+    transport.register(src.data_ptr(), total)
+    ops = [RdmaOp(src.data_ptr() + o, base + o, block) for o in range(0, total, block)]
+
+    async def main() -> list[float]:
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            await transport.run(session, "write", ops, 120.0)
+            runs.append(_gbps(total, time.perf_counter() - t0))
+        return runs
+
+    gbps = uvloop.run(main())
+    parent.send("digest")
+    ok = parent.recv() == _digest(src)
+    proc.join(30)
+    return gbps, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="256 MiB and 3 reps instead of 1 GiB and 5 (under a minute)")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--total-mib", type=int, default=None)
+    ap.add_argument("--block-mib", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args(argv)
+    total = (args.total_mib or (256 if args.quick else 1024)) * MiB
+    block = args.block_mib * MiB
+    reps = args.reps or (3 if args.quick else 5)
+    if total % block:
+        ap.error("total must be a multiple of the block size")
+
+    tcp_runs = bench_tcp(total, block, reps)
+    shm_runs = bench_shm(total, block, reps)
+    mc = bench_mooncake(total, block, reps)
+    tcp_ok, shm_ok = bool(tcp_runs.pop("tcp_verified")), bool(shm_runs.pop("shm_verified"))
+    runs: dict[str, list[float]] = {**tcp_runs, **shm_runs}  # type: ignore[dict-item]
+    if not isinstance(mc, str):
+        runs["mooncake_tcp"] = mc[0]
+    best = {k: max(v) for k, v in runs.items()}
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    memcpy = max(best["torch_copy"], best["memmove"])  # the faster in-process copy is the bar
+    result: dict[str, Any] = {
+        "total_bytes": total,
+        "block_bytes": block,
+        "reps": reps,
+        "unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
+        "best_gbps": {k: round(v, 3) for k, v in best.items()},
+        "median_gbps": {k: round(v, 3) for k, v in median.items()},
+        "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
+        "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
+        "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
+        "shm_vs_memcpy": round(best["shm"] / memcpy, 3),
+        "tcp_verified": tcp_ok,
+        "shm_verified": shm_ok,
+        "mooncake_tcp": mc if isinstance(mc, str) else "measured",
+    }
+    if not isinstance(mc, str):
+        result["tcp_vs_mooncake_tcp"] = round(best["tcp"] / best["mooncake_tcp"], 3)
+        result["mooncake_verified"] = mc[1]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{total // MiB} MiB as {block // MiB} MiB write ops, {reps} interleaved reps (GB/s = 1e9 bytes/s)")
+        print(f"{'path':<32}{'best':>7}{'median':>8}  {'ratio (best)':<22}verified")
+
+        def row(label: str, key: str, ratio: str = "", ok: object = "") -> None:
+            print(f"{label:<32}{best[key]:>7.2f}{median[key]:>8.2f}  {ratio:<22}{ok}")
+
+        row("plain socket (baseline)", "socket")
+        row("TransferEngine tcp", "tcp", f"{best['tcp'] / best['socket']:.2f}x socket", tcp_ok)
+        row("TransferEngine tcp, 1 conn", "tcp_1conn", f"{best['tcp_1conn'] / best['socket']:.2f}x socket", tcp_ok)
+        row("memcpy: torch copy_ (baseline)", "torch_copy")
+        row("memcpy: memmove (baseline)", "memmove")
+        row("TransferEngine shm", "shm", f"{best['shm'] / memcpy:.2f}x best memcpy", shm_ok)
+        if isinstance(mc, str):
+            print(f"{'mooncake-transfer-engine tcp':<32}{mc:>15}")
+        else:
+            ratio = f"{best['tcp'] / best['mooncake_tcp']:.2f}x (ours/theirs)"
+            row("mooncake-transfer-engine tcp", "mooncake_tcp", ratio, mc[1])
+    ok = tcp_ok and shm_ok and (isinstance(mc, str) or mc[1])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
