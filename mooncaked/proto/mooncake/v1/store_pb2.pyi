@@ -1,6 +1,7 @@
 from mooncaked.proto.mooncake.v1 import common_pb2 as _common_pb2
 from mooncaked.proto.mooncake.v1 import transfer_pb2 as _transfer_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -55,10 +56,12 @@ class MountSegmentRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[_transfer_pb2.SegmentInfo, _Mapping]] = ...) -> None: ...
 
 class MountSegmentReply(_message.Message):
-    __slots__ = ("ok",)
+    __slots__ = ("ok", "master_epoch")
     OK_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ok: bool
-    def __init__(self, ok: _Optional[bool] = ...) -> None: ...
+    master_epoch: int
+    def __init__(self, ok: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
 
 class UnmountSegmentRequest(_message.Message):
     __slots__ = ("client_id", "segment")
@@ -74,6 +77,22 @@ class UnmountSegmentReply(_message.Message):
     objects_removed: int
     def __init__(self, objects_removed: _Optional[int] = ...) -> None: ...
 
+class EvacuateSegmentRequest(_message.Message):
+    __slots__ = ("client_id", "segment")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    segment: str
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
+
+class EvacuateSegmentReply(_message.Message):
+    __slots__ = ("demotions", "left")
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    demotions: int
+    left: int
+    def __init__(self, demotions: _Optional[int] = ..., left: _Optional[int] = ...) -> None: ...
+
 class RemountSegmentRequest(_message.Message):
     __slots__ = ("client_id", "segment", "objects")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -85,24 +104,30 @@ class RemountSegmentRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[_Union[_transfer_pb2.SegmentInfo, _Mapping]] = ..., objects: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ...) -> None: ...
 
 class RemountSegmentReply(_message.Message):
-    __slots__ = ("objects_accepted",)
+    __slots__ = ("objects_accepted", "master_epoch", "rejected_keys")
     OBJECTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
     objects_accepted: int
-    def __init__(self, objects_accepted: _Optional[int] = ...) -> None: ...
+    master_epoch: int
+    rejected_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objects_accepted: _Optional[int] = ..., master_epoch: _Optional[int] = ..., rejected_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("key", "size", "checksum", "replicas", "preferred_segment")
+    __slots__ = ("key", "size", "checksum", "replicas", "preferred_segment", "soft_pin")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SOFT_PIN_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     checksum: int
     replicas: int
     preferred_segment: str
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ...) -> None: ...
+    soft_pin: bool
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., soft_pin: _Optional[bool] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
     __slots__ = ("replicas", "exists")
@@ -173,14 +198,12 @@ class GetReplicasRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class GetReplicasReply(_message.Message):
-    __slots__ = ("object", "found", "lease_s")
+    __slots__ = ("object", "lease_s")
     OBJECT_FIELD_NUMBER: _ClassVar[int]
-    FOUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     object: ObjectReplicas
-    found: bool
     lease_s: float
-    def __init__(self, object: _Optional[_Union[ObjectReplicas, _Mapping]] = ..., found: _Optional[bool] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, object: _Optional[_Union[ObjectReplicas, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class BatchGetReplicasRequest(_message.Message):
     __slots__ = ("keys", "client_id")
@@ -259,3 +282,107 @@ class PingReply(_message.Message):
     known: bool
     master_epoch: int
     def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
+
+class TasksRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class TierTask(_message.Message):
+    __slots__ = ("task_id", "kind", "key", "size", "checksum", "src_segment", "src_offset", "dst_segment", "dst_offset")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[TierTask.Kind]
+        KIND_DEMOTE: _ClassVar[TierTask.Kind]
+        KIND_PROMOTE: _ClassVar[TierTask.Kind]
+        KIND_DELETE: _ClassVar[TierTask.Kind]
+    KIND_UNSPECIFIED: TierTask.Kind
+    KIND_DEMOTE: TierTask.Kind
+    KIND_PROMOTE: TierTask.Kind
+    KIND_DELETE: TierTask.Kind
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    kind: TierTask.Kind
+    key: str
+    size: int
+    checksum: int
+    src_segment: str
+    src_offset: int
+    dst_segment: str
+    dst_offset: int
+    def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TierTask.Kind, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[str] = ..., dst_offset: _Optional[int] = ...) -> None: ...
+
+class TaskResult(_message.Message):
+    __slots__ = ("task_id", "ok", "error")
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    task_id: int
+    ok: bool
+    error: str
+    def __init__(self, task_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class TaskDoneRequest(_message.Message):
+    __slots__ = ("client_id", "results")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    results: _containers.RepeatedCompositeFieldContainer[TaskResult]
+    def __init__(self, client_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+
+class TaskDoneReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class PoolStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentStats(_message.Message):
+    __slots__ = ("name", "owner", "medium", "capacity", "used", "objects")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    owner: str
+    medium: str
+    capacity: int
+    used: int
+    objects: int
+    def __init__(self, name: _Optional[str] = ..., owner: _Optional[str] = ..., medium: _Optional[str] = ..., capacity: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+
+class PoolStatsReply(_message.Message):
+    __slots__ = ("segments", "objects", "hits", "misses", "evictions", "demotions", "promotions", "master_epoch", "clients")
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
+    objects: int
+    hits: int
+    misses: int
+    evictions: int
+    demotions: int
+    promotions: int
+    master_epoch: int
+    clients: int
+    def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., master_epoch: _Optional[int] = ..., clients: _Optional[int] = ...) -> None: ...

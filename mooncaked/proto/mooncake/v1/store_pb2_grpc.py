@@ -50,6 +50,11 @@ class StoreMasterStub:
                 request_serializer=mooncake_dot_v1_dot_store__pb2.RemountSegmentRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_store__pb2.RemountSegmentReply.FromString,
                 _registered_method=True)
+        self.EvacuateSegment = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/EvacuateSegment',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/mooncake.v1.StoreMaster/PutStart',
                 request_serializer=mooncake_dot_v1_dot_store__pb2.PutStartRequest.SerializeToString,
@@ -110,6 +115,21 @@ class StoreMasterStub:
                 request_serializer=mooncake_dot_v1_dot_store__pb2.PingRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_store__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.Tasks = channel.unary_stream(
+                '/mooncake.v1.StoreMaster/Tasks',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.TasksRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.TierTask.FromString,
+                _registered_method=True)
+        self.TaskDone = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/TaskDone',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.TaskDoneRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.TaskDoneReply.FromString,
+                _registered_method=True)
+        self.PoolStats = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/PoolStats',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.PoolStatsReply.FromString,
+                _registered_method=True)
 
 
 class StoreMasterServicer:
@@ -131,6 +151,13 @@ class StoreMasterServicer:
 
     def RemountSegment(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvacuateSegment(self, request, context):
+        """Before a graceful stop: demote a DRAM segment's objects to its owner's LMDB tier, so they outlive the process.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -211,6 +238,26 @@ class StoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tasks(self, request, context):
+        """Tier moves the master orders and the segment's owner carries out (the master never touches bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TaskDone(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PoolStats(self, request, context):
+        """Pool use per segment and tier, object counts, hits, evictions (for `mooncakectl store`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +275,11 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.RemountSegment,
                     request_deserializer=mooncake_dot_v1_dot_store__pb2.RemountSegmentRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_store__pb2.RemountSegmentReply.SerializeToString,
+            ),
+            'EvacuateSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvacuateSegment,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
@@ -288,6 +340,21 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=mooncake_dot_v1_dot_store__pb2.PingRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_store__pb2.PingReply.SerializeToString,
+            ),
+            'Tasks': grpc.unary_stream_rpc_method_handler(
+                    servicer.Tasks,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.TasksRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.TierTask.SerializeToString,
+            ),
+            'TaskDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.TaskDone,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.TaskDoneRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.TaskDoneReply.SerializeToString,
+            ),
+            'PoolStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.PoolStats,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.PoolStatsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -372,6 +439,33 @@ class StoreMaster:
             '/mooncake.v1.StoreMaster/RemountSegment',
             mooncake_dot_v1_dot_store__pb2.RemountSegmentRequest.SerializeToString,
             mooncake_dot_v1_dot_store__pb2.RemountSegmentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvacuateSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/EvacuateSegment',
+            mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -696,6 +790,87 @@ class StoreMaster:
             '/mooncake.v1.StoreMaster/Ping',
             mooncake_dot_v1_dot_store__pb2.PingRequest.SerializeToString,
             mooncake_dot_v1_dot_store__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/Tasks',
+            mooncake_dot_v1_dot_store__pb2.TasksRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.TierTask.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TaskDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/TaskDone',
+            mooncake_dot_v1_dot_store__pb2.TaskDoneRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.TaskDoneReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PoolStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/PoolStats',
+            mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.PoolStatsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,35 @@
+"""`mooncaked --role store`: the Mooncake Store master (metadata only, never the bytes)."""
+
+from __future__ import annotations
+
+import logging
+
+from mooncaked.config import StoreConfig, StorePolicyConfig
+from mooncaked.roles.server import sd_notify
+from mooncaked.store.records import Policy
+from mooncaked.store.service import MasterRunner
+
+log = logging.getLogger(__name__)
+
+
+def policy_of(cfg: StorePolicyConfig) -> Policy:
+    """The master's policy from the settings (`store` or `all`); a client silent for heartbeat_timeout_s is dead."""
+    return Policy(replicas=cfg.store_replicas, lease_s=cfg.store_lease_s, high_watermark=cfg.store_high_watermark,
+                  client_ttl_s=cfg.heartbeat_timeout_s)
+
+
+async def run_store_role(cfg: StoreConfig) -> int:
+    runner = MasterRunner(policy_of(cfg), str(cfg.listen))
+    port = await runner.start()
+    runner.server.install_signal_handlers()
+    address = f"{cfg.advertise_address.host}:{port}"
+    print(f"mooncaked store {cfg.name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch})", flush=True)
+    sd_notify("READY=1")
+    await runner.server.stopping.wait()
+
+    # nothing in flight is worth waiting for: metadata is rebuilt by the clients' remounts
+    sd_notify("STOPPING=1")
+    log.info("%s stopping", cfg.name)
+    await runner.stop(min(cfg.drain_timeout_s, 2.0))
+    log.info("%s stopped", cfg.name)
+    return 0

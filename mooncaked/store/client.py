@@ -1,0 +1,362 @@
+"""The store client inside an engine process: lends DRAM and an LMDB tier to the pool, puts
+and gets objects, and keeps its segments mounted across master restarts.
+
+Bytes move only through `transfer/`: a put gathers the object in the staging area and
+writes it into the segments the master picked; a get reads it from a DRAM copy into the
+staging area and checks its XXH3-64 before handing it over (a mismatch is a miss: the
+object is removed, logged and counted). LMDB-held objects are promoted by their owner
+into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import torch
+
+from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
+from mooncaked.roles.server import CHANNEL_OPTIONS, spawn
+from mooncaked.store import metrics
+from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
+from mooncaked.store.errors import InvalidArgument, StoreError, StoreUnavailable, from_rpc_error
+from mooncaked.store.lmdb_tier import LmdbTier
+from mooncaked.store.mounts import Mounts
+from mooncaked.store.records import checksum
+from mooncaked.store.tier_worker import TierWorker
+from mooncaked.transfer import TransferEngine, TransferError, TransferOp
+
+logger = logging.getLogger(__name__)
+
+Data = bytes | bytearray | memoryview | torch.Tensor
+RECONNECT_OPTIONS = [  # a restarted master is found again within a second, not after gRPC's default backoff
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreClientConfig:
+    """What one client lends and how it talks to the master."""
+
+    master: str  # "host:port" of the store master
+    client_id: str  # stable across restarts (the engine's name): its segments are named after it
+    dram_bytes: int = 0
+    lmdb_path: str | None = None
+    lmdb_bytes: int = 0
+    staging_bytes: int = 64 << 20
+    transfer_backend: str = "tcp"  # of the TransferEngine the client makes when none is handed to it
+    replicas: int = 0  # 0: the master's default
+    prefer_local: bool = False  # put the first copy in our own DRAM segment when it has room
+    get_batch_keys: int = 64  # keys per BatchGetReplicas: what the master promotes and leases at once
+    no_room_retry_s: float = 2.0  # a put that found no room is retried this long (the master is demoting)
+    ping_interval_s: float = 1.0
+    rpc_timeout_s: float = 5.0
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.lmdb_bytes and not self.lmdb_path:
+            raise ValueError("lmdb_bytes is set but lmdb_path is not: say where the LMDB tier lives")
+        if self.lmdb_bytes and not self.dram_bytes:
+            raise ValueError("an LMDB tier needs a DRAM segment too (store_dram_bytes > 0): LMDB objects are "
+                             "served by promoting them into this client's DRAM")
+        if self.staging_bytes <= 0:
+            raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
+
+    @classmethod
+    def from_worker(cls, cfg, **overrides) -> StoreClientConfig:
+        """From a `mooncaked.config.WorkerConfig` whose `store` names the master."""
+        assert cfg.store is not None, "no store master configured"
+        values = dict(master=str(cfg.store), client_id=cfg.name, dram_bytes=cfg.store_dram_bytes,
+                      lmdb_path=cfg.store_lmdb_path, lmdb_bytes=cfg.store_lmdb_bytes if cfg.store_lmdb_path else 0,
+                      ping_interval_s=cfg.heartbeat_interval_s)
+        values.update(overrides)
+        return cls(**values)
+
+
+class StoreClient:
+    """One process's handle on the KV pool; `await start()` before use, `await close()` after."""
+
+    def __init__(self, config: StoreClientConfig, transfer: TransferEngine | None = None) -> None:
+        self.config = config
+        self._own_transfer = transfer is None
+        self.transfer = transfer or TransferEngine(backend=config.transfer_backend, host="127.0.0.1", port=0)
+        self._channel: grpc.aio.Channel | None = None
+        self.stub: store_pb2_grpc.StoreMasterStub | None = None
+        self.dram: DramSegment | None = None
+        self.staging: Staging | None = None
+        self.lmdb: LmdbTier | None = None
+        self.mounts: Mounts | None = None
+        self.worker: TierWorker | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
+
+    @property
+    def dram_segment(self) -> str:
+        return f"{self.config.client_id}/dram"
+
+    async def start(self) -> None:
+        cfg = self.config
+        if self._own_transfer:
+            await self.transfer.start()
+        if self.transfer.address is None:
+            raise StoreError("the TransferEngine handed to StoreClient must be started first")
+        self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
+        if cfg.dram_bytes:
+            self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
+        if cfg.lmdb_bytes:
+            loop = asyncio.get_running_loop()
+            self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
+        self._channel = grpc.aio.insecure_channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
+        self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
+                             self._lmdb_thread)
+        await self.mounts.mount_all()
+        if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
+            self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
+                                     self.mounts.request_remount, self._lmdb_thread)
+            self._tasks = [spawn(self.mounts.keep_alive(cfg.ping_interval_s), f"store-ping-{cfg.client_id}"),
+                           spawn(self.worker.receive(), f"store-tasks-{cfg.client_id}"),
+                           spawn(self.worker.work(), f"store-tier-{cfg.client_id}")]
+        logger.info("store client %s: master %s, DRAM %d bytes, LMDB %s (%d bytes), transfer %s", cfg.client_id,
+                    cfg.master, cfg.dram_bytes, cfg.lmdb_path, cfg.lmdb_bytes, self.transfer.address)
+
+    async def close(self, evacuate_timeout_s: float = 10.0) -> None:
+        """Leave the pool and release everything. With an LMDB tier, what only our DRAM holds is first
+        demoted to it (up to `evacuate_timeout_s`), so a restart on the same LMDB path brings it all back."""
+        if self.lmdb is not None and self.dram is not None and self.worker is not None:
+            await self._evacuate(evacuate_timeout_s)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.mounts is not None:
+            await self.mounts.unmount_all()
+        if self._channel is not None:
+            await self._channel.close()
+        if self.lmdb is not None:  # after any LMDB work still running in its thread
+            await asyncio.get_running_loop().run_in_executor(self._lmdb_thread, self.lmdb.close)
+        self._lmdb_thread.shutdown(wait=False)
+        if self._own_transfer:
+            await self.transfer.close()
+        else:
+            for name in (DRAM_REGION, STAGING_REGION):
+                try:
+                    self.transfer.unregister(name)
+                except TransferError:
+                    pass
+
+    async def _evacuate(self, timeout_s: float) -> None:
+        try:
+            before = self.worker.done
+            reply = await self._call("EvacuateSegment", self.stub.EvacuateSegment,
+                                     store_pb2.EvacuateSegmentRequest(client_id=self.config.client_id,
+                                                                      segment=self.dram_segment))
+        except StoreError as e:
+            logger.warning("could not move DRAM objects to LMDB before stopping: %s", e)
+            return
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.worker.done - before < reply.demotions and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        logger.info("store client %s: %d DRAM objects moved to LMDB before stopping (%d left for want of room)",
+                    self.config.client_id, min(reply.demotions, self.worker.done - before), reply.left)
+
+    async def _call(self, what: str, fn: Callable[..., Awaitable[T]], request) -> T:
+        try:
+            return await fn(request, timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, what) from None
+
+    # -- put ----------------------------------------------------------------------------------------
+    async def put(self, key: str, data: Data, *, soft_pin: bool = False) -> bool:
+        """Store one object; True when it is in the pool (now or already), False when there was no room."""
+        return (await self.batch_put([(key, data)], soft_pin=soft_pin))[0]
+
+    async def batch_put(self, items: Sequence[tuple[str, Data]], *, soft_pin: bool = False) -> list[bool]:
+        """Store many objects with one PutStart/PutEnd round trip per staging-area's worth.
+
+        Objects that found no room are retried for up to `no_room_retry_s` while the master
+        moves older objects to LMDB; what still finds none is reported False (a cache may drop).
+        """
+        out = [False] * len(items)
+        todo = list(range(len(items)))
+        deadline = asyncio.get_running_loop().time() + self.config.no_room_retry_s
+        pause = 0.02
+        while True:
+            for chunk in self._chunks([nbytes_of(items[i][1]) for i in todo]):
+                results = await self._put_chunk([items[todo[j]] for j in chunk], soft_pin)
+                for j, ok in zip(chunk, results):
+                    out[todo[j]] = ok
+            todo = [i for i in todo if not out[i]]
+            if not todo or asyncio.get_running_loop().time() + pause > deadline:
+                return out
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    async def _put_chunk(self, items: Sequence[tuple[str, Data]], soft_pin: bool) -> list[bool]:
+        assert self.staging is not None, "start() first"
+        sizes = [nbytes_of(d) for _, d in items]
+        async with self.staging.lease(sizes) as offsets:
+            sums = []
+            for (_, data), off in zip(items, offsets):
+                self.staging.stage(off, data)
+            for off, size in zip(offsets, sizes):
+                sums.append(checksum(self.staging.slice(off, size)))
+            pref = self.dram_segment if self.config.prefer_local and self.dram else ""
+            req = store_pb2.BatchPutStartRequest(items=[
+                store_pb2.PutStartRequest(key=k, size=n, checksum=c, replicas=self.config.replicas,
+                                          preferred_segment=pref, soft_pin=soft_pin)
+                for (k, _), n, c in zip(items, sizes, sums)])
+            reply = await self._call("BatchPutStart", self.stub.BatchPutStart, req)
+            ok = [it.exists for it in reply.items]
+            writing = [i for i, it in enumerate(reply.items) if it.replicas]
+            ops = [TransferOp("write", STAGING_REGION, offsets[i], rep.endpoint.address, rep.endpoint.region,
+                              rep.offset, sizes[i]) for i in writing for rep in reply.items[i].replicas]
+            failed = False
+            if ops:
+                try:
+                    await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
+                except TransferError as e:
+                    failed = True
+                    logger.warning("store put of %d objects failed on the data plane (%s); revoking them",
+                                   len(writing), e)
+        keys = [items[i][0] for i in writing]
+        if writing:
+            end = store_pb2.BatchPutEndRequest(keys=[] if failed else keys, revoke_keys=keys if failed else [])
+            await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
+            for i in writing:
+                ok[i] = not failed
+        for i, good in enumerate(ok):
+            metrics.CLIENT_OPS.labels("put", "ok" if good else "no_room").inc()
+            if good and i in writing:
+                metrics.CLIENT_BYTES.labels("put").inc(sizes[i])
+        return ok
+
+    def _chunks(self, sizes: Sequence[int]) -> list[list[int]]:
+        """Indices grouped so each group fits the staging area."""
+        assert self.staging is not None, "start() first"
+        groups: list[list[int]] = [[]]
+        for i, size in enumerate(sizes):
+            if size <= 0:
+                raise InvalidArgument(f"object {i} of the batch is empty: store only non-empty objects")
+            if not self.staging.fits([size]):
+                raise InvalidArgument(f"an object of {size} bytes exceeds the {self.staging.nbytes}-byte staging "
+                                      "area; raise staging_bytes")
+            if not self.staging.fits([sizes[j] for j in groups[-1]] + [size]):
+                groups.append([])
+            groups[-1].append(i)
+        return [g for g in groups if g]
+
+    # -- get ----------------------------------------------------------------------------------------
+    async def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None on a miss (absent, unreachable or failing its checksum)."""
+        return (await self.batch_get([key]))[0]
+
+    async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+
+        def sink(i: int, off: int, size: int) -> bool:
+            out[i] = bytes(self.staging.slice(off, size))
+            return True
+
+        await self._fetch(keys, sink)
+        return out
+
+    async def get_into(self, key: str, out: torch.Tensor) -> bool:
+        """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's)."""
+        return (await self.batch_get_into([key], [out]))[0]
+
+    async def batch_get_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Like get_into for many keys; one round trip to the master and one data-plane batch per chunk."""
+        if len(keys) != len(outs):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output tensors")
+
+        def sink(i: int, off: int, size: int) -> bool:
+            if nbytes_of(outs[i]) != size:
+                logger.warning("store object %s has %d bytes but its output tensor %d; treating it as a miss",
+                               keys[i], size, nbytes_of(outs[i]))
+                return False
+            self.staging.unstage(off, outs[i])
+            return True
+
+        return await self._fetch(keys, sink)
+
+    async def _fetch(self, keys: Sequence[str], sink: Callable[[int, int, int], bool]) -> list[bool]:
+        assert self.staging is not None, "start() first"
+        got = [False] * len(keys)
+        if not keys:
+            return got
+        index = {k: i for i, k in enumerate(keys)}
+        step = max(1, self.config.get_batch_keys)
+        for start in range(0, len(keys), step):
+            req = store_pb2.BatchGetReplicasRequest(keys=list(keys[start : start + step]),
+                                                    client_id=self.config.client_id)
+            reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+            objs = [o for o in reply.objects if o.key in index and o.replicas]
+            for chunk in self._chunks([o.size for o in objs]):
+                await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
+        for ok in got:
+            metrics.CLIENT_OPS.labels("get", "hit" if ok else "miss").inc()
+        return got
+
+    async def _fetch_chunk(self, objs, index: dict[str, int], sink, got: list[bool]) -> None:
+        async with self.staging.lease([o.size for o in objs]) as offsets:
+            todo = list(range(len(objs)))
+            for attempt in range(2):  # a failed read is retried once on each object's next copy
+                ops = []
+                for j in todo:
+                    reps = objs[j].replicas
+                    rep = reps[attempt % len(reps)]
+                    ops.append(TransferOp("read", STAGING_REGION, offsets[j], rep.endpoint.address,
+                                          rep.endpoint.region, rep.offset, objs[j].size))
+                try:
+                    await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
+                    break
+                except TransferError as e:
+                    logger.warning("store get of %d objects failed on the data plane (%s)", len(todo), e)
+                    todo = [j for j in todo if len(objs[j].replicas) > 1]
+                    if attempt or not todo:
+                        return
+            corrupt = []
+            for j in todo:
+                o = objs[j]
+                if checksum(self.staging.slice(offsets[j], o.size)) != o.checksum:
+                    metrics.CHECKSUM_FAILURES.labels(o.replicas[0].medium or "dram").inc()
+                    logger.error("store object %s failed its checksum after a read; dropping it (a miss)", o.key)
+                    corrupt.append(o.key)
+                    continue
+                if sink(index[o.key], offsets[j], o.size):
+                    got[index[o.key]] = True
+                    metrics.CLIENT_BYTES.labels("get").inc(o.size)
+        if corrupt:
+            await self.remove(corrupt)
+
+    # -- queries ------------------------------------------------------------------------------------
+    async def exist(self, key: str) -> bool:
+        return (await self._call("Exist", self.stub.Exist, store_pb2.ExistRequest(key=key))).exists
+
+    async def batch_exist(self, keys: Sequence[str]) -> list[bool]:
+        reply = await self._call("BatchExist", self.stub.BatchExist, store_pb2.BatchExistRequest(keys=list(keys)))
+        return list(reply.exists)
+
+    async def longest_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys of a block-hash chain the pool holds (the reusable prefix, in blocks)."""
+        reply = await self._call("LongestPrefix", self.stub.LongestPrefix,
+                                 store_pb2.LongestPrefixRequest(keys=list(keys)))
+        return reply.num_keys
+
+    async def remove(self, keys: Sequence[str]) -> int:
+        reply = await self._call("Remove", self.stub.Remove, store_pb2.RemoveRequest(keys=list(keys)))
+        return reply.removed
+
+    async def pool_stats(self) -> store_pb2.PoolStatsReply:
+        return await self._call("PoolStats", self.stub.PoolStats, store_pb2.PoolStatsRequest())
+
+
+__all__ = ["StoreClient", "StoreClientConfig", "StoreError", "StoreUnavailable"]

@@ -1,0 +1,117 @@
+"""Keeping a client's segments mounted: mount at start, ping, remount when the master
+forgot us (it restarted, or declared us dead), unmount at close.
+
+A remount of the LMDB tier re-reports every object it holds (from its metadata), which is
+how a restarted master, or a restarted engine on the same LMDB path, gets them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+
+import grpc
+
+from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
+from mooncaked.store.convert import record_to_proto, segment_to_proto
+from mooncaked.store.dram_segment import DramSegment
+from mooncaked.store.errors import from_rpc_error
+from mooncaked.store.lmdb_tier import LmdbTier
+from mooncaked.store.records import Endpoint, SegmentSpec
+from mooncaked.transfer import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+class Mounts:
+    def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, transfer: TransferEngine,
+                 dram: DramSegment | None, lmdb: LmdbTier | None, rpc_timeout_s: float,
+                 lmdb_thread: Executor | None = None) -> None:
+        self.client_id = client_id
+        self._stub = stub
+        self._transfer = transfer
+        self._dram = dram
+        self._lmdb = lmdb
+        self._timeout = rpc_timeout_s
+        self._lmdb_thread = lmdb_thread
+        self.epoch = 0  # the master's, as of our last mount
+        self.remounts = 0
+        self._remount = asyncio.Event()
+
+    def specs(self) -> list[SegmentSpec]:
+        out = []
+        if self._dram is not None:
+            info = self._transfer.info()
+            region = info.regions.get(self._dram.name)
+            endpoint = Endpoint(self._transfer.address or "", self._transfer.backend, self._dram.name, info.host_id,
+                                (region.shm_name or "") if region else "")
+            out.append(SegmentSpec(f"{self.client_id}/dram", "dram", self._dram.nbytes, endpoint))
+        if self._lmdb is not None:
+            out.append(SegmentSpec(f"{self.client_id}/lmdb", "lmdb", self._lmdb.capacity))
+        return out
+
+    async def mount_all(self) -> None:
+        """Mount every segment; the LMDB tier with the objects it holds."""
+        try:
+            for spec in self.specs():
+                info = segment_to_proto(spec, self.client_id)
+                if spec.medium == "dram":
+                    reply = await self._stub.MountSegment(
+                        store_pb2.MountSegmentRequest(client_id=self.client_id, segment=info), timeout=self._timeout)
+                    self.epoch = reply.master_epoch
+                    continue
+                assert self._lmdb is not None
+                loop = asyncio.get_running_loop()
+                records = await loop.run_in_executor(self._lmdb_thread, self._lmdb.records)
+                reply = await self._stub.RemountSegment(
+                    store_pb2.RemountSegmentRequest(client_id=self.client_id, segment=info,
+                                                    objects=[record_to_proto(r) for r in records]),
+                    timeout=max(self._timeout, 1e-4 * len(records)))
+                self.epoch = reply.master_epoch
+                if reply.rejected_keys:
+                    logger.warning("master rejected %d of the %d objects on LMDB (conflicting copies); deleting them",
+                                   len(reply.rejected_keys), len(records))
+                    await loop.run_in_executor(self._lmdb_thread, self._lmdb.delete_many, list(reply.rejected_keys))
+                logger.info("LMDB tier %s re-reported %d objects", spec.name, reply.objects_accepted)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, "mount") from None
+
+    def request_remount(self) -> None:
+        self._remount.set()
+
+    async def keep_alive(self, interval_s: float) -> None:
+        """Ping; remount when the master does not know us or its epoch changed."""
+        down = False
+        while True:
+            try:
+                await asyncio.wait_for(self._remount.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+            try:
+                reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id), timeout=self._timeout)
+                if down:
+                    logger.info("store master reachable again")
+                    down = False
+                if self._remount.is_set() or not reply.known or reply.master_epoch != self.epoch:
+                    logger.warning("store master %s us (epoch %d, ours %d): remounting",
+                                   "does not know" if not reply.known else "restarted under", reply.master_epoch,
+                                   self.epoch)
+                    self._remount.clear()
+                    await self.mount_all()
+                    self.remounts += 1
+            except grpc.aio.AioRpcError as e:
+                if not down:
+                    logger.warning("store master unreachable (%s); retrying", e.code().name)
+                    down = True
+            except Exception:  # noqa: BLE001 - keep pinging; a failed remount is retried next round
+                logger.exception("store client %s: remount failed", self.client_id)
+
+    async def unmount_all(self) -> None:
+        for spec in self.specs():
+            try:
+                await self._stub.UnmountSegment(store_pb2.UnmountSegmentRequest(client_id=self.client_id,
+                                                                                segment=spec.name),
+                                                timeout=self._timeout)
+            except grpc.aio.AioRpcError as e:
+                logger.info("unmount of %s: %s", spec.name, e.details())

@@ -1,0 +1,207 @@
+"""The master's records: segments, objects, their replicas, tier tasks, and the policy.
+
+Records hold state; `master.py` is the only code that mutates them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import xxhash
+
+from mooncaked.store.allocator import ByteBudget, ExtentAllocator
+
+logger = logging.getLogger(__name__)
+
+Medium = Literal["dram", "lmdb"]
+MEDIA: tuple[str, ...] = ("dram", "lmdb")
+TaskKind = Literal["demote", "promote", "delete"]
+MAX_KEY_BYTES = 1024
+
+
+def checksum(data: object) -> int:
+    """XXH3-64 of a buffer: what every object carries and every read checks."""
+    return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """How the master places, keeps and evicts; built once from the role's config."""
+
+    replicas: int = 1
+    lease_s: float = 5.0
+    high_watermark: float = 0.9
+    evict_fraction: float = 0.05  # each eviction round frees about this share of a segment
+    client_ttl_s: float = 5.0  # a client silent this long is dead; its segments are unmounted
+    put_timeout_s: float = 30.0  # a PutStart not ended by then is discarded
+    task_timeout_s: float = 10.0  # a tier task not done by then has failed
+    max_object_bytes: int = 256 << 20
+    hot_hits: int = 3  # reads after which an object is soft-pinned (evicted last)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a peer reaches a segment's bytes on the data plane (mirrors TransferEndpoint)."""
+
+    address: str = ""
+    backend: str = "tcp"
+    region: str = ""
+    same_host_id: str = ""
+    shm_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    """What a client says when it lends memory."""
+
+    name: str
+    medium: str
+    capacity: int
+    endpoint: Endpoint = Endpoint()
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectRecord:
+    """An object a segment already holds, re-reported at a remount."""
+
+    key: str
+    offset: int
+    size: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class Segment:
+    """A mounted segment: its allocator and the keys with a copy here, least recently used first."""
+
+    name: str
+    owner: str
+    medium: str
+    capacity: int
+    endpoint: Endpoint
+    alloc: ExtentAllocator | ByteBudget
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    leaving_bytes: int = 0  # bytes of copies being demoted away (freed when the task ends)
+
+    @property
+    def used(self) -> int:
+        return self.alloc.used
+
+
+@dataclass(slots=True)
+class Replica:
+    """One copy; `complete` is False while its bytes are being written (put, demote, promote)."""
+
+    segment: str
+    offset: int
+    size: int
+    complete: bool = False
+
+
+@dataclass(slots=True)
+class ObjectMeta:
+    """One key: its copies, checksum, lease and heat."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[Replica]
+    committed: bool
+    started_at: float
+    soft_pin: bool = False
+    lease_until: float = 0.0
+    hits: int = 0
+    busy: int = 0  # tier tasks in flight; never evicted meanwhile
+    promotion: int = 0  # task id of the promotion in flight, 0 if none
+
+    def replica_on(self, segment: str) -> Replica | None:
+        for r in self.replicas:
+            if r.segment == segment:
+                return r
+        return None
+
+
+@dataclass(slots=True)
+class Task:
+    """A tier move the master ordered and the segments' owner carries out."""
+
+    task_id: int
+    kind: TaskKind
+    client_id: str
+    key: str
+    size: int
+    checksum: int
+    src_segment: str
+    src_offset: int
+    dst_segment: str = ""
+    dst_offset: int = 0
+    deadline: float = 0.0
+
+
+@dataclass(slots=True)
+class Client:
+    """A store client (an engine process) and the segments it lent."""
+
+    client_id: str
+    last_seen: float
+    segments: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A replica together with the segment it is on (the service needs the endpoint and medium)."""
+
+    replica: Replica
+    segment: Segment
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectView:
+    """What a reader gets: complete copies, checksum and the lease."""
+
+    key: str
+    size: int
+    checksum: int
+    replicas: list[Placed]
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PutPlan:
+    """Where to write (or that the key is there already)."""
+
+    replicas: list[Placed]
+    exists: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionPending:
+    """The object is only on LMDB; its owner is copying it to DRAM under this task."""
+
+    task_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUse:
+    name: str
+    owner: str
+    medium: str
+    capacity: int
+    used: int
+    objects: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    segments: list[SegmentUse]
+    objects: int
+    hits: int
+    misses: int
+    evictions: int
+    demotions: int
+    promotions: int
+    epoch: int
+    clients: int

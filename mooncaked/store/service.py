@@ -1,0 +1,293 @@
+"""The `StoreMaster` gRPC service over the state machine, and the runner that serves it.
+
+Typed store errors become gRPC statuses here and nowhere else. The service is also the
+master's hooks: it queues tier tasks for each client's `Tasks` stream and resolves the
+reads waiting on a promotion. A housekeeping task ticks the state machine (silent clients,
+stale puts, overdue tasks, lease-held frees, eviction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
+from mooncaked.roles.server import RoleServer, spawn
+from mooncaked.store import convert
+from mooncaked.store.errors import FailedPrecondition, NoRoom, NotFound, StoreError
+from mooncaked.store.master import StoreMaster
+from mooncaked.store.records import ObjectView, Policy, Task
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = "mooncake.v1.StoreMaster"
+TICK_S = 0.1
+
+
+def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map StoreError to its status; log anything else as a bug and answer INTERNAL."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: StoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except StoreError as e:
+            await context.abort(e.code, str(e))
+        except Exception as e:  # noqa: BLE001 - the master keeps serving; the bug is logged
+            if isinstance(e, asyncio.CancelledError) or type(e).__name__ == "AbortError":
+                raise
+            logger.exception("StoreMaster.%s failed", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"store master bug in {fn.__name__}: {e!r}")
+
+    return wrapper
+
+
+class StoreService(store_pb2_grpc.StoreMasterServicer):
+    """StoreMaster over gRPC; one per master process."""
+
+    def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
+        self.master = StoreMaster(policy, hooks=self, clock=clock)
+        self._queues: dict[str, asyncio.Queue[Task | None]] = {}
+        self._promotions: dict[int, asyncio.Future[bool]] = {}
+
+    # -- hooks of the state machine ------------------------------------------------------------
+    def send_task(self, task: Task) -> None:
+        if task.client_id in self.master.clients:  # a dead client's LMDB is cleaned at its remount
+            self._queue(task.client_id).put_nowait(task)
+
+    def promotion_settled(self, task_id: int, ok: bool) -> None:
+        fut = self._promotions.pop(task_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(ok)
+
+    def client_dropped(self, client_id: str) -> None:
+        q = self._queues.pop(client_id, None)
+        if q is not None:
+            q.put_nowait(None)  # ends its Tasks stream; the client remounts and reopens it
+
+    def _queue(self, client_id: str) -> asyncio.Queue[Task | None]:
+        q = self._queues.get(client_id)
+        if q is None:
+            q = self._queues[client_id] = asyncio.Queue()
+        return q
+
+    async def housekeeping(self, tick_s: float = TICK_S) -> None:
+        while True:
+            self.master.tick()
+            await asyncio.sleep(tick_s)
+
+    def close_streams(self) -> None:
+        for q in self._queues.values():
+            q.put_nowait(None)
+
+    # -- segments ---------------------------------------------------------------------------------
+    @_rpc
+    async def MountSegment(self, request, context):
+        self.master.mount(request.client_id, convert.segment_from_proto(request.segment))
+        return store_pb2.MountSegmentReply(ok=True, master_epoch=self.master.epoch)
+
+    @_rpc
+    async def RemountSegment(self, request, context):
+        records = [convert.record_from_proto(r) for r in request.objects]
+        accepted, rejected = self.master.mount(request.client_id, convert.segment_from_proto(request.segment),
+                                               records)
+        return store_pb2.RemountSegmentReply(objects_accepted=accepted, master_epoch=self.master.epoch,
+                                             rejected_keys=rejected)
+
+    @_rpc
+    async def EvacuateSegment(self, request, context):
+        demotions, left = self.master.evacuate(request.client_id, request.segment)
+        return store_pb2.EvacuateSegmentReply(demotions=demotions, left=left)
+
+    @_rpc
+    async def UnmountSegment(self, request, context):
+        return store_pb2.UnmountSegmentReply(objects_removed=self.master.unmount(request.client_id,
+                                                                                 request.segment))
+
+    @_rpc
+    async def Ping(self, request, context):
+        return store_pb2.PingReply(known=self.master.ping(request.client_id), master_epoch=self.master.epoch)
+
+    # -- put ----------------------------------------------------------------------------------------
+    def _put_start(self, r: store_pb2.PutStartRequest) -> store_pb2.PutStartReply:
+        plan = self.master.put_start(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin)
+        return store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas],
+                                       exists=plan.exists)
+
+    @_rpc
+    async def PutStart(self, request, context):
+        return self._put_start(request)
+
+    @_rpc
+    async def BatchPutStart(self, request, context):
+        plans = self.master.put_start_many([(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin)
+                                            for r in request.items])
+        return store_pb2.BatchPutStartReply(items=[
+            store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas], exists=plan.exists)
+            if plan is not None else store_pb2.PutStartReply() for plan in plans])
+
+    @_rpc
+    async def PutEnd(self, request, context):
+        self.master.put_end(request.key)
+        return store_pb2.PutEndReply(ok=True)
+
+    @_rpc
+    async def PutRevoke(self, request, context):
+        self.master.put_revoke(request.key)
+        return store_pb2.PutRevokeReply(ok=True)
+
+    @_rpc
+    async def BatchPutEnd(self, request, context):
+        committed = revoked = 0
+        for key in request.keys:
+            try:
+                self.master.put_end(key)
+                committed += 1
+            except FailedPrecondition as e:
+                logger.info("batch PutEnd: %s", e)
+        for key in request.revoke_keys:
+            try:
+                self.master.put_revoke(key)
+                revoked += 1
+            except FailedPrecondition:
+                pass
+        return store_pb2.BatchPutEndReply(committed=committed, revoked=revoked)
+
+    # -- get ----------------------------------------------------------------------------------------
+    async def _promoted(self, task_id: int, deadline: float) -> bool:
+        fut = self._promotions.get(task_id)
+        if fut is None:
+            fut = self._promotions[task_id] = asyncio.get_running_loop().create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except asyncio.TimeoutError:
+            return False
+
+    def _deadline(self, context: grpc.aio.ServicerContext) -> float:
+        """When waiting for promotions must end: the task timeout, or just before the caller's deadline."""
+        wait = self.master.policy.task_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining - 0.25)
+        return asyncio.get_running_loop().time() + max(0.0, wait)
+
+    async def _get(self, key: str, deadline: float) -> ObjectView:
+        """Replicas of a key; waits (until `deadline`) for a promotion and for DRAM room to promote into."""
+        loop = asyncio.get_running_loop()
+        pause = 0.01
+        while True:
+            try:
+                res = self.master.get_replicas(key)
+            except NoRoom:
+                if loop.time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)  # demotions are making room
+                pause = min(2 * pause, 0.2)
+                continue
+            if isinstance(res, ObjectView):
+                return res
+            if not await self._promoted(res.task_id, deadline):
+                raise NotFound(f"{key!r} could not be read back from its LMDB tier (corrupt, gone or its owner "
+                               "did not answer)")
+
+    def _renew(self, view: ObjectView) -> ObjectView | None:
+        try:
+            res = self.master.get_replicas(view.key, count=False)
+        except (NotFound, NoRoom):
+            return None
+        return res if isinstance(res, ObjectView) else None
+
+    @_rpc
+    async def GetReplicas(self, request, context):
+        view = await self._get(request.key, self._deadline(context))
+        return store_pb2.GetReplicasReply(object=convert.view_to_proto(view), lease_s=view.lease_s)
+
+    @_rpc
+    async def BatchGetReplicas(self, request, context):
+        deadline = self._deadline(context)
+
+        async def one(key: str) -> ObjectView | None:
+            try:
+                return await self._get(key, deadline)
+            except (NotFound, NoRoom):
+                return None
+
+        views = await asyncio.gather(*(one(k) for k in request.keys))
+        # promotions may have kept some keys waiting: renew every lease now, at reply time
+        views = [self._renew(v) for v in views if v is not None]
+        return store_pb2.BatchGetReplicasReply(objects=[convert.view_to_proto(v) for v in views if v is not None],
+                                               lease_s=self.master.policy.lease_s)
+
+    @_rpc
+    async def Exist(self, request, context):
+        return store_pb2.ExistReply(exists=self.master.exist(request.key))
+
+    @_rpc
+    async def BatchExist(self, request, context):
+        return store_pb2.BatchExistReply(exists=[self.master.exist(k) for k in request.keys])
+
+    @_rpc
+    async def LongestPrefix(self, request, context):
+        return store_pb2.LongestPrefixReply(num_keys=self.master.longest_prefix(request.keys))
+
+    @_rpc
+    async def Remove(self, request, context):
+        return store_pb2.RemoveReply(removed=self.master.remove(request.keys))
+
+    @_rpc
+    async def PoolStats(self, request, context):
+        return convert.stats_to_proto(self.master.stats())
+
+    # -- tier tasks ---------------------------------------------------------------------------------
+    async def Tasks(self, request, context) -> AsyncIterator[store_pb2.TierTask]:
+        if request.client_id not in self.master.clients:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"client {request.client_id!r} is not known to this master: mount a segment first")
+        q = self._queue(request.client_id)
+        while True:
+            task = await q.get()
+            if task is None:
+                return
+            if task.kind != "delete" and task.task_id not in self.master.tasks:
+                continue  # settled while queued (its segment went, or it timed out): moving bytes now would harm
+            yield convert.task_to_proto(task)
+
+    @_rpc
+    async def TaskDone(self, request, context):
+        if request.client_id not in self.master.clients:
+            raise FailedPrecondition(f"client {request.client_id!r} is not known (declared dead?): remount")
+        accepted = self.master.task_done(request.client_id, [(r.task_id, r.ok, r.error) for r in request.results])
+        return store_pb2.TaskDoneReply(accepted=accepted)
+
+
+class MasterRunner:
+    """A StoreService on a RoleServer plus its housekeeping; what the store role and tests start."""
+
+    def __init__(self, policy: Policy, listen: str = "127.0.0.1:0", tick_s: float = TICK_S) -> None:
+        self.service = StoreService(policy)
+        self.server = RoleServer(listen, [SERVICE_NAME])
+        store_pb2_grpc.add_StoreMasterServicer_to_server(self.service, self.server.server)
+        self._tick_s = tick_s
+        self._housekeeping: asyncio.Task | None = None
+
+    @property
+    def master(self) -> StoreMaster:
+        return self.service.master
+
+    async def start(self) -> int:
+        port = await self.server.start()
+        self._housekeeping = spawn(self.service.housekeeping(self._tick_s), "store-housekeeping")
+        logger.info("store master (epoch %d) serving on port %d", self.master.epoch, port)
+        return port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+        self.service.close_streams()
+        await self.server.stop(grace_s)

@@ -1,0 +1,261 @@
+"""The pool as real processes: the master as `run_store_role` in its own interpreter, an
+owner engine's store client in a spawned process with a real LMDB folder, and this process
+as a reader/writer. Demotion and promotion, client restart, master restart, a flipped byte
+on disk, a killed client."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncaked.store import StoreClient, StoreClientConfig
+
+KiB = 1024
+SPAWN = mp.get_context("spawn")
+pytestmark = pytest.mark.timeout(60)
+
+_MASTER = ("import asyncio, sys\n"
+           "from mooncaked.config import StoreConfig\n"
+           "from mooncaked.roles.store_role import run_store_role\n"
+           "sys.exit(asyncio.run(run_store_role(StoreConfig(**eval(sys.argv[1])))))\n")
+
+
+class Master:
+    """`run_store_role` in a child interpreter; its port read from the line it prints."""
+
+    def __init__(self, port: int = 0, **settings: Any) -> None:
+        settings = {"listen": f"127.0.0.1:{port}", "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 1.5,
+                    "store_lease_s": 1.0, "log_level": "INFO", **settings}
+        self.proc = subprocess.Popen([sys.executable, "-c", _MASTER, repr(settings)], stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        m = re.search(r"gRPC on ([\d.]+):(\d+)", line)
+        assert m, f"store role printed {line!r}"
+        self.port = int(m.group(2))
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=15)
+
+
+def _agent(conn: Connection, cfg: dict[str, Any]) -> None:
+    """An engine's store client in its own process, driven over a pipe."""
+
+    async def main() -> None:
+        client = StoreClient(StoreClientConfig(**cfg))
+        await client.start()
+        conn.send("ready")
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, arg = await loop.run_in_executor(None, conn.recv)
+            if cmd == "close":
+                await client.close()
+                conn.send("closed")
+                return
+            if cmd == "done":
+                conn.send(client.worker.done if client.worker else 0)
+            if cmd == "remounts":
+                conn.send(client.mounts.remounts)
+
+    asyncio.run(main())
+
+
+class Agent:
+    def __init__(self, master: str, name: str, **cfg: Any) -> None:
+        self.conn, child = SPAWN.Pipe()
+        cfg = {"master": master, "client_id": name, "ping_interval_s": 0.2, **cfg}
+        self.proc = SPAWN.Process(target=_agent, args=(child, cfg), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(30), "store client process did not start"
+        assert self.conn.recv() == "ready"
+
+    def ask(self, cmd: str, arg: Any = None) -> Any:
+        self.conn.send((cmd, arg))
+        assert self.conn.poll(20), f"no answer to {cmd}"
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.ask("close")
+        self.proc.join(10)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+
+async def reader(master: str, **kw: Any) -> StoreClient:
+    c = StoreClient(StoreClientConfig(master=master, client_id=f"reader-{os.getpid()}", get_batch_keys=8, **kw))
+    await c.start()
+    return c
+
+
+def blobs(n: int, size: int = 64 * KiB, prefix: str = "m") -> dict[str, bytes]:
+    return {f"{prefix}/{i:04d}": os.urandom(size) for i in range(n)}
+
+
+async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def lmdb_objects(c: StoreClient) -> int:
+    stats = await c.pool_stats()
+    return sum(s.objects for s in stats.segments if s.medium == "lmdb")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def master():
+    m = Master()
+    yield m
+    assert m.stop() == 0, "the store role exits 0 on SIGTERM"
+
+
+async def test_small_dram_demotes_to_lmdb_and_serves_from_it(master, tmp_path):
+    owner = Agent(master.address, "P1", dram_bytes=1024 * KiB, lmdb_path=str(tmp_path / "lmdb"),
+                  lmdb_bytes=32 * 1024 * KiB)
+    c = await reader(master.address)
+    try:
+        data = blobs(48)  # 3 MiB into a 1 MiB DRAM tier
+        assert all(await c.batch_put(list(data.items())))
+        stats = await c.pool_stats()
+        assert stats.demotions >= 30 and stats.objects == 48, stats
+        await wait_for(lambda: _idle(c), what="DRAM to fall under its high watermark")
+        got = await c.batch_get(list(data))
+        assert got == list(data.values()), "every object comes back, most of them through LMDB"
+        assert (await c.pool_stats()).promotions >= 30
+        assert await c.longest_prefix(list(data) + ["m/missing", "m/0000"]) == 48
+    finally:
+        await c.close()
+        owner.close()
+
+
+async def _idle(c: StoreClient) -> bool:
+    stats = await c.pool_stats()
+    dram = [s for s in stats.segments if s.medium == "dram"]
+    return all(s.used <= 0.9 * s.capacity for s in dram)
+
+
+async def test_restarting_the_master_loses_nothing_on_lmdb(tmp_path):
+    port = free_port()
+    master = Master(port)
+    owner = Agent(master.address, "P1", dram_bytes=512 * KiB, lmdb_path=str(tmp_path / "lmdb"),
+                  lmdb_bytes=32 * 1024 * KiB)
+    c = await reader(master.address)
+    try:
+        data = blobs(40)
+        assert all(await c.batch_put(list(data.items())))
+        await wait_for(lambda: _idle(c), what="demotions to finish")
+        on_lmdb = await lmdb_objects(c)
+        assert on_lmdb >= 30
+        assert master.stop(signal.SIGKILL) != 0
+        master = Master(port)
+        await wait_for(lambda: _lmdb_at_least(c, on_lmdb), what="the owner to remount its LMDB tier")
+        assert owner.ask("remounts") >= 1
+        present = [k for k, e in zip(data, await c.batch_exist(list(data))) if e]
+        assert len(present) == on_lmdb
+        assert await c.batch_get(present) == [data[k] for k in present]
+    finally:
+        await c.close()
+        owner.close()
+        assert master.stop() == 0
+
+
+async def _lmdb_at_least(c: StoreClient, n: int) -> bool:
+    try:
+        return await lmdb_objects(c) >= n
+    except Exception:  # noqa: BLE001 - the new master may not be up yet
+        return False
+
+
+async def test_a_restarted_client_brings_back_its_objects_but_never_a_flipped_byte(master, tmp_path):
+    """Stop an engine's client (it moves what only its DRAM holds to LMDB first), flip one byte of
+    one LMDB value on disk, start it again on the same path: every other object is back in the
+    pool, the damaged one is detected on read, never served, and removed."""
+    cfg = dict(dram_bytes=512 * KiB, lmdb_path=str(tmp_path / "lmdb"), lmdb_bytes=32 * 1024 * KiB)
+    owner = Agent(master.address, "P1", **cfg)
+    c = await reader(master.address)
+    try:
+        data = blobs(40)
+        assert all(await c.batch_put(list(data.items())))
+        await wait_for(lambda: _idle(c), what="demotions to finish")
+        assert 0 < await lmdb_objects(c) < 40, "some objects on LMDB, the newest still in DRAM"
+        owner.close()
+        assert not any(await c.batch_exist(list(data))), "a stopped client's objects leave the pool"
+
+        mdb = Path(cfg["lmdb_path"]) / "data.mdb"
+        raw = bytearray(mdb.read_bytes())
+        assert all(raw.find(v[1000:1064]) >= 0 for v in data.values()), "every object was written to LMDB"
+        victim = "m/0007"
+        raw[raw.find(data[victim][1000:1064]) + 17] ^= 0x01
+        mdb.write_bytes(bytes(raw))
+
+        owner = Agent(master.address, "P1", **cfg)
+        assert all(await c.batch_exist(list(data))), "every object is back after the restart"
+        assert await c.get(victim) is None, "a corrupt value must never be served"
+        assert not await c.exist(victim), "the corrupt object is removed from the pool"
+        rest = [k for k in data if k != victim]
+        assert await c.batch_get(rest) == [data[k] for k in rest]
+    finally:
+        await c.close()
+        owner.close()
+
+
+async def test_a_dead_clients_segments_are_unmounted_and_its_objects_dropped(master):
+    owner = Agent(master.address, "P1", dram_bytes=512 * KiB)
+    c = await reader(master.address, no_room_retry_s=0.2)
+    try:
+        data = blobs(4, 16 * KiB)
+        assert all(await c.batch_put(list(data.items())))
+        assert all(await c.batch_exist(list(data)))
+        owner.kill()
+        await wait_for(lambda: _no_segments(c), timeout=6, what="the dead client's segments to go")
+        assert not any(await c.batch_exist(list(data)))
+        assert await c.get("m/0000") is None
+        assert not await c.put("m/new", b"x" * 100)  # no segment left: no room, and no crash
+    finally:
+        await c.close()
+
+
+async def _no_segments(c: StoreClient) -> bool:
+    return not (await c.pool_stats()).segments
+
+
+async def test_the_store_role_serves_health_and_stops_cleanly_on_sigterm():
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
+
+    m = Master()
+    try:
+        async with grpc.aio.insecure_channel(m.address) as ch:
+            health = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="mooncake.v1.StoreMaster"), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stats = await store_pb2_grpc.StoreMasterStub(ch).PoolStats(store_pb2.PoolStatsRequest(), timeout=5)
+            assert stats.master_epoch and not stats.segments
+    finally:
+        assert m.stop() == 0

@@ -1,0 +1,328 @@
+"""The store master's rules, called directly with a hand-turned clock: allocator, placement,
+leases, eviction and demotion, stale puts, dead clients, remount, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mooncaked.store.allocator import ByteBudget, ExtentAllocator
+from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
+from mooncaked.store.master import StoreMaster
+from mooncaked.store.records import Endpoint, ObjectRecord, ObjectView, Policy, PromotionPending, SegmentSpec, Task
+
+KiB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Hooks:
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+        self.settled: list[tuple[int, bool]] = []
+        self.dropped: list[str] = []
+
+    def send_task(self, task: Task) -> None:
+        self.tasks.append(task)
+
+    def promotion_settled(self, task_id: int, ok: bool) -> None:
+        self.settled.append((task_id, ok))
+
+    def client_dropped(self, client_id: str) -> None:
+        self.dropped.append(client_id)
+
+
+def dram(name: str, capacity: int) -> SegmentSpec:
+    return SegmentSpec(name, "dram", capacity, Endpoint(f"127.0.0.1:{abs(hash(name)) % 60000}", "tcp", "r"))
+
+
+def make(**policy) -> tuple[StoreMaster, Clock, Hooks]:
+    clock, hooks = Clock(), Hooks()
+    return StoreMaster(Policy(**policy), hooks, clock), clock, hooks
+
+
+def put(m: StoreMaster, key: str, size: int = 4 * KiB, **kw) -> list[str]:
+    plan = m.put_start(key, size, 7, **kw)
+    m.put_end(key)
+    return [p.replica.segment for p in plan.replicas]
+
+
+# -- allocator --------------------------------------------------------------------------------
+def test_extent_allocator_reuses_and_merges_free_extents():
+    a = ExtentAllocator(1024, align=64)
+    offs = [a.alloc(100) for _ in range(8)]  # 128 bytes each
+    assert offs == [i * 128 for i in range(8)] and a.alloc(1) is None
+    for o in offs[1:7]:
+        a.free(o)
+    assert a.largest_free() == 6 * 128  # neighbours merged
+    assert a.alloc(6 * 128) == 128
+    for o in (offs[0], 128, offs[7]):
+        a.free(o)
+    assert a.used == 0 and a.largest_free() == 1024
+
+
+def test_extent_allocator_random_ops_keep_invariants():
+    rng = random.Random(3)
+    a = ExtentAllocator(1 << 20, align=64)
+    live: dict[int, int] = {}
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            off = rng.choice(list(live))
+            a.free(off, live.pop(off))
+        else:
+            size = rng.randint(1, 20000)
+            off = a.alloc(size)
+            if off is not None:
+                assert off % 64 == 0 and off + size <= a.capacity
+                assert all(off + size <= o or o + s <= off for o, s in live.items()), "overlap"
+                live[off] = size
+    for off, size in list(live.items()):
+        a.free(off, size)
+    assert a.used == 0 and a.largest_free() == 1 << 20
+    with pytest.raises(AssertionError):
+        a.free(0)
+
+
+def test_extent_allocator_take_exact_range():
+    a = ExtentAllocator(4096, align=64)
+    assert a.take(1024, 100) and not a.take(1024, 64) and not a.take(1000, 10)
+    assert a.alloc(1024) == 0 and a.alloc(2048) == 1024 + 128
+    b = ByteBudget(100)
+    assert b.alloc(60) == 0 and b.alloc(50) is None
+    b.free(0, 60)
+    assert b.used == 0
+
+
+# -- placement --------------------------------------------------------------------------------
+def test_replicas_never_share_a_segment_and_prefer_free_space():
+    m, _, _ = make(replicas=3)
+    for name, cap in (("a", 64 * KiB), ("b", 256 * KiB), ("c", 128 * KiB)):
+        m.mount(name.upper(), dram(name, cap))
+    first = put(m, "k0")
+    assert first == ["b", "c", "a"]  # most free first
+    for i in range(1, 40):
+        segs = put(m, f"k{i}", 2 * KiB)
+        assert len(segs) == len(set(segs)) == 3
+    m2, _, _ = make(replicas=2)
+    m2.mount("A", dram("only", 64 * KiB))
+    assert put(m2, "x") == ["only"]  # fewer segments than replicas: one copy, never two on one
+
+
+def test_preferred_segment_goes_first_and_must_be_mounted():
+    m, _, _ = make()
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("B", dram("b", 256 * KiB))
+    assert put(m, "k", preferred="a") == ["a"]
+    with pytest.raises(FailedPrecondition, match="not a mounted DRAM segment"):
+        m.put_start("k2", 10, 0, preferred="gone")
+
+
+def test_bad_input_gets_typed_errors():
+    m, _, _ = make(max_object_bytes=1 << 20)
+    with pytest.raises(NoRoom, match="no DRAM segment is mounted"):
+        m.put_start("k", 10, 0)
+    m.mount("A", dram("a", 64 * KiB))
+    with pytest.raises(InvalidArgument, match="must be positive"):
+        m.put_start("k", -5, 0)
+    with pytest.raises(InvalidArgument, match="larger than"):
+        m.put_start("k", 65 * KiB, 0)
+    with pytest.raises(InvalidArgument, match="key"):
+        m.put_start("", 10, 0)
+    with pytest.raises(FailedPrecondition, match="without a PutStart"):
+        m.put_end("never")
+    with pytest.raises(FailedPrecondition, match="without a PutStart"):
+        m.put_revoke("never")
+    with pytest.raises(NotFound):
+        m.get_replicas("never")
+    with pytest.raises(NotFound, match="not mounted"):
+        m.unmount("A", "nope")
+    with pytest.raises(FailedPrecondition, match="belongs to"):
+        m.unmount("B", "a")
+    with pytest.raises(InvalidArgument):
+        m.mount("A", SegmentSpec("z", "tape", 10))
+
+
+def test_readers_never_see_a_half_written_object():
+    m, _, _ = make()
+    m.mount("A", dram("a", 64 * KiB))
+    plan = m.put_start("k", 100, 7)
+    assert not plan.exists and not m.exist("k")
+    with pytest.raises(NotFound):
+        m.get_replicas("k")
+    assert m.put_start("k", 100, 7).exists  # a second writer skips
+    m.put_end("k")
+    view = m.get_replicas("k")
+    assert isinstance(view, ObjectView) and view.checksum == 7 and m.exist("k")
+    m.put_start("r", 100, 7)
+    m.put_revoke("r")
+    assert not m.exist("r") and m.segments["a"].used == 128
+
+
+def test_longest_prefix_and_remove():
+    m, _, _ = make()
+    m.mount("A", dram("a", 64 * KiB))
+    for k in ("m/1", "m/2", "m/3", "m/5"):
+        put(m, k, 100)
+    assert m.longest_prefix(["m/1", "m/2", "m/3", "m/4", "m/5"]) == 3
+    assert m.longest_prefix(["m/9", "m/1"]) == 0
+    assert m.remove(["m/2", "nope"]) == 1
+    assert m.longest_prefix(["m/1", "m/2", "m/3"]) == 1
+
+
+# -- leases and eviction ------------------------------------------------------------------------
+def test_leased_object_is_not_evicted_until_the_lease_lapses():
+    m, clock, _ = make(lease_s=5.0, high_watermark=0.5, evict_fraction=0.25)
+    m.mount("A", dram("a", 64 * KiB))
+    put(m, "old", 8 * KiB)
+    assert isinstance(m.get_replicas("old"), ObjectView)  # lease until t+5
+    for i in range(6):
+        put(m, f"k{i}", 8 * KiB)
+        clock.t += 0.1
+    assert m.exist("old"), "a leased object was evicted"
+    assert not m.exist("k0"), "LRU victim should have gone instead"
+    clock.t += 5.0
+    m.ping("A")
+    m.tick()
+    for i in range(6, 9):
+        put(m, f"k{i}", 8 * KiB)
+    assert not m.exist("old"), "once the lease lapsed the LRU object is evictable"
+
+
+def test_soft_pinned_and_hot_objects_are_evicted_last():
+    m, clock, _ = make(lease_s=0.01, high_watermark=0.5, evict_fraction=0.125, hot_hits=2)
+    m.mount("A", dram("a", 64 * KiB))
+    put(m, "pinned", 8 * KiB, soft_pin=True)
+    put(m, "hot", 8 * KiB)
+    m.get_replicas("hot"), m.get_replicas("hot")
+    clock.t += 1
+    for i in range(4):
+        put(m, f"k{i}", 8 * KiB)
+    assert m.exist("pinned") and m.exist("hot")
+    assert not m.exist("k0")
+
+
+def test_remove_of_a_leased_object_keeps_its_bytes_until_the_lease_ends():
+    m, clock, _ = make(lease_s=2.0)
+    m.mount("A", dram("a", 16 * KiB))
+    put(m, "k", 16 * KiB)
+    m.get_replicas("k")
+    assert m.remove(["k"]) == 1 and not m.exist("k")
+    with pytest.raises(NoRoom):
+        m.put_start("k2", 16 * KiB, 0)  # a reader may still be copying those bytes
+    clock.t += 2.5
+    m.ping("A")
+    m.tick()
+    put(m, "k2", 16 * KiB)
+
+
+def test_demotion_to_lmdb_and_promotion_back():
+    m, clock, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    for i in range(5):
+        put(m, f"k{i}", 8 * KiB)
+    demotes = [t for t in hooks.tasks if t.kind == "demote"]
+    assert [t.key for t in demotes] == ["k0", "k1", "k2"] and all(t.dst_segment == "a-lmdb" for t in demotes)
+    assert m.segments["a"].used == 40 * KiB  # DRAM bytes stay until the owner reports
+    m.task_done("A", [(t.task_id, True, "") for t in demotes])
+    assert m.segments["a"].used == 16 * KiB and m.segments["a-lmdb"].used == 24 * KiB
+    assert m.exist("k0") and m.demotions == 3
+    pending = m.get_replicas("k0")
+    assert isinstance(pending, PromotionPending)
+    assert m.get_replicas("k0") == pending  # one promotion per key
+    promote = hooks.tasks[-1]
+    assert promote.kind == "promote" and promote.src_segment == "a-lmdb" and promote.dst_segment == "a"
+    m.task_done("A", [(promote.task_id, True, "")])
+    assert hooks.settled == [(promote.task_id, True)]
+    view = m.get_replicas("k0")
+    assert isinstance(view, ObjectView) and [p.segment.name for p in view.replicas] == ["a"]
+    # a failed promotion for a corrupt value drops the object
+    pending = m.get_replicas("k1")
+    m.task_done("A", [(pending.task_id, False, "checksum mismatch")])
+    assert not m.exist("k1") and hooks.settled[-1] == (pending.task_id, False)
+
+
+def test_overdue_task_fails_and_frees_its_places():
+    m, clock, hooks = make(high_watermark=0.5, evict_fraction=0.25, task_timeout_s=3.0)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    for i in range(5):
+        put(m, f"k{i}", 8 * KiB)
+    assert m.tasks
+    clock.t += 4
+    m.ping("A")
+    m.tick()
+    assert not m.tasks and m.segments["a-lmdb"].used == 0
+
+
+# -- put timeout, dead clients, remount -----------------------------------------------------------
+def test_stale_put_start_is_discarded():
+    m, clock, _ = make(put_timeout_s=2.0)
+    m.mount("A", dram("a", 16 * KiB))
+    m.put_start("k", 16 * KiB, 0)
+    clock.t += 1
+    m.ping("A")
+    m.tick()
+    assert m.put_start("k", 16 * KiB, 0).exists
+    clock.t += 1.5
+    m.ping("A")
+    m.tick()
+    assert m.segments["a"].used == 0
+    with pytest.raises(FailedPrecondition, match="discarded"):
+        m.put_end("k")
+    assert not m.put_start("k", 16 * KiB, 0).exists
+
+
+def test_dead_client_loses_its_segments_and_replicas():
+    m, clock, hooks = make(client_ttl_s=3.0, replicas=2)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("B", dram("b", 64 * KiB))
+    put(m, "both")
+    put(m, "onlyb", preferred="b", replicas=1)
+    clock.t += 2
+    m.ping("A")
+    clock.t += 2
+    m.tick()
+    assert hooks.dropped == ["B"] and "b" not in m.segments and not m.ping("B")
+    assert m.exist("both") and not m.exist("onlyb")
+    assert [p.segment.name for p in m.get_replicas("both").replicas] == ["a"]
+
+
+def test_remount_rebuilds_lmdb_objects_and_rejects_conflicts():
+    m, _, _ = make()
+    m.mount("A", dram("a", 64 * KiB))
+    put(m, "dup", 100)
+    recs = [ObjectRecord("x", 0, 500, 11), ObjectRecord("dup", 0, 100, 7), ObjectRecord("bad", 0, 100, 9),
+            ObjectRecord("dup2", 0, 100, 1)]
+    put(m, "bad", 100)  # checksum 7 != 9: conflicting copy
+    accepted, rejected = m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs)
+    assert accepted == 3 and rejected == ["bad"]
+    assert m.exist("x") and m.segments["a-lmdb"].used == 700
+    assert m.objects["dup"].replica_on("a-lmdb") is not None
+
+
+def test_evacuate_demotes_only_copies_and_ignores_leases():
+    m, _, hooks = make(replicas=1)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    m.mount("B", dram("b", 64 * KiB))
+    for i in range(4):
+        put(m, f"k{i}", 4 * KiB, preferred="a")
+    put(m, "elsewhere", 4 * KiB, preferred="b")
+    m.get_replicas("k0")  # leased: still evacuated (its DRAM copy stays readable until the move is done)
+    assert m.evacuate("A", "a") == (4, 0)
+    assert sorted(t.key for t in hooks.tasks if t.kind == "demote") == ["k0", "k1", "k2", "k3"]
+    m.task_done("A", [(t.task_id, True, "") for t in hooks.tasks])
+    assert m.unmount("A", "a") == 0, "every object kept its LMDB copy"
+    assert all(m.exist(f"k{i}") for i in range(4))
+    with pytest.raises(FailedPrecondition):
+        m.evacuate("B", "a-lmdb")
+    with pytest.raises(InvalidArgument):
+        m.evacuate("A", "a-lmdb")

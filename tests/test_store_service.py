@@ -1,0 +1,184 @@
+"""The StoreMaster over real gRPC on loopback, with real clients in this process: statuses for
+bad input (and the master keeps serving), stale puts, leases, placement, DRAM checksums."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc, transfer_pb2
+from mooncaked.store import Policy, StoreClient, StoreClientConfig, checksum
+from mooncaked.store.service import MasterRunner
+
+KiB = 1024
+pytestmark = pytest.mark.timeout(60)
+
+
+async def start(**policy) -> tuple[MasterRunner, str]:
+    runner = MasterRunner(Policy(**policy), "127.0.0.1:0", tick_s=0.05)
+    port = await runner.start()
+    return runner, f"127.0.0.1:{port}"
+
+
+async def client(master: str, name: str, **kw) -> StoreClient:
+    c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw))
+    await c.start()
+    return c
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_bad_input_gets_clear_statuses_and_the_master_keeps_serving():
+    runner, addr = await start(max_object_bytes=1 << 20)
+    owner = await client(addr, "owner", dram_bytes=256 * KiB)
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = store_pb2_grpc.StoreMasterStub(ch)
+
+            async def status(call, request) -> tuple[grpc.StatusCode, str]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(request, timeout=5)
+                return e.value.code(), e.value.details()
+
+            C = grpc.StatusCode
+            code, msg = await status(stub.PutStart, store_pb2.PutStartRequest(key="m/1", size=-4))
+            assert code == C.INVALID_ARGUMENT and "must be positive" in msg
+            code, msg = await status(stub.PutStart, store_pb2.PutStartRequest(key="m/1", size=300 * KiB))
+            assert code == C.INVALID_ARGUMENT and "larger than" in msg
+            code, msg = await status(stub.PutStart, store_pb2.PutStartRequest(key="", size=10))
+            assert code == C.INVALID_ARGUMENT and "key" in msg
+            code, msg = await status(stub.PutEnd, store_pb2.PutEndRequest(key="never-started"))
+            assert code == C.FAILED_PRECONDITION and "without a PutStart" in msg
+            code, msg = await status(stub.GetReplicas, store_pb2.GetReplicasRequest(key="unknown"))
+            assert code == C.NOT_FOUND and "unknown" in msg
+            code, msg = await status(stub.PutStart, store_pb2.PutStartRequest(key="m/2", size=10,
+                                                                              preferred_segment="dead/dram"))
+            assert code == C.FAILED_PRECONDITION and "not a mounted DRAM segment" in msg
+            code, msg = await status(stub.UnmountSegment, store_pb2.UnmountSegmentRequest(client_id="x",
+                                                                                          segment="dead/dram"))
+            assert code == C.NOT_FOUND and "not mounted" in msg
+            code, _ = await status(stub.TaskDone, store_pb2.TaskDoneRequest(client_id="ghost"))
+            assert code == C.FAILED_PRECONDITION
+            code, _ = await status(stub.MountSegment, store_pb2.MountSegmentRequest(
+                client_id="x", segment=transfer_pb2.SegmentInfo(name="s", medium="tape", nbytes=10)))
+            assert code == C.INVALID_ARGUMENT
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Tasks(store_pb2.TasksRequest(client_id="ghost"), timeout=5):
+                    pass
+            assert e.value.code() == C.FAILED_PRECONDITION
+            # fill the pool with uncommitted puts: the next is RESOURCE_EXHAUSTED
+            for i in range(4):
+                await stub.PutStart(store_pb2.PutStartRequest(key=f"fill/{i}", size=64 * KiB), timeout=5)
+            code, msg = await status(stub.PutStart, store_pb2.PutStartRequest(key="more", size=64 * KiB))
+            assert code == C.RESOURCE_EXHAUSTED and "retry" in msg
+            for i in range(4):
+                await stub.PutRevoke(store_pb2.PutRevokeRequest(key=f"fill/{i}"), timeout=5)
+            # still serving: an ordinary round trip works
+            data = os.urandom(10 * KiB)
+            assert await owner.put("m/ok", data)
+            assert await owner.get("m/ok") == data
+            assert await owner.get("unknown") is None
+            assert metric("mooncaked_store_segment_capacity_bytes", segment="owner/dram", medium="dram") == 256 * KiB
+            assert metric("mooncaked_store_segment_used_bytes", segment="owner/dram", medium="dram") >= 10 * KiB
+    finally:
+        await owner.close()
+        await runner.stop()
+
+
+async def test_stale_put_start_is_discarded_and_the_key_is_free_again():
+    runner, addr = await start(put_timeout_s=0.3)
+    owner = await client(addr, "owner", dram_bytes=256 * KiB)
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = store_pb2_grpc.StoreMasterStub(ch)
+            first = await stub.PutStart(store_pb2.PutStartRequest(key="k", size=200 * KiB, checksum=1), timeout=5)
+            assert len(first.replicas) == 1
+            again = await stub.PutStart(store_pb2.PutStartRequest(key="k", size=200 * KiB, checksum=1), timeout=5)
+            assert again.exists and not again.replicas  # in progress: a second writer skips
+            await asyncio.sleep(0.6)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.PutEnd(store_pb2.PutEndRequest(key="k"), timeout=5)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "discarded" in e.value.details()
+            stats = await stub.PoolStats(store_pb2.PoolStatsRequest(), timeout=5)
+            assert [s.used for s in stats.segments] == [0]  # its place was freed
+        data = os.urandom(200 * KiB)
+        assert await owner.put("k", data) and await owner.get("k") == data
+    finally:
+        await owner.close()
+        await runner.stop()
+
+
+async def test_an_object_being_read_is_not_evicted_until_its_lease_lapses():
+    runner, addr = await start(lease_s=1.0, high_watermark=0.5)
+    owner = await client(addr, "owner", dram_bytes=512 * KiB)  # no LMDB: evicted objects are dropped
+    reader = await client(addr, "reader")
+    try:
+        blobs = {f"m/{i}": os.urandom(32 * KiB) for i in range(24)}
+        assert all(await reader.batch_put(list(blobs.items())[:6]))
+        assert await reader.get("m/0") == blobs["m/0"]  # lease on the oldest object
+        for i in range(6, 24):
+            assert await reader.put(f"m/{i}", blobs[f"m/{i}"])
+        assert await reader.exist("m/0"), "a leased object was evicted"
+        assert not await reader.exist("m/1"), "the LRU object without a lease should have gone"
+        await asyncio.sleep(1.2)
+        for i in range(24, 40):
+            assert await reader.put(f"m/{i}", os.urandom(32 * KiB))
+        assert not await reader.exist("m/0"), "once its lease lapsed, the object is evictable"
+        assert metric("mooncaked_store_evictions_total", medium="dram", action="drop") > 0
+    finally:
+        await reader.close()
+        await owner.close()
+        await runner.stop()
+
+
+async def test_replicas_land_on_distinct_segments_and_survive_one_segment_going():
+    runner, addr = await start(replicas=2)
+    owners = [await client(addr, f"o{i}", dram_bytes=1024 * KiB) for i in range(3)]
+    try:
+        blobs = {f"m/{i}": os.urandom(48 * KiB) for i in range(20)}  # 2 copies: 64% of the pool
+        assert all(await owners[0].batch_put(list(blobs.items())))
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = store_pb2_grpc.StoreMasterStub(ch)
+            reply = await stub.BatchGetReplicas(store_pb2.BatchGetReplicasRequest(keys=list(blobs)), timeout=5)
+            assert len(reply.objects) == 20
+            for obj in reply.objects:
+                segs = [r.segment for r in obj.replicas]
+                assert len(segs) == 2 and len(set(segs)) == 2, segs
+                assert obj.checksum == checksum(blobs[obj.key])
+            used = [s.used for s in (await stub.PoolStats(store_pb2.PoolStatsRequest(), timeout=5)).segments]
+            assert max(used) - min(used) <= 2 * 48 * KiB, f"placement should spread by free space: {used}"
+        await owners[2].close()  # unmount one segment: every object keeps a copy
+        owners.pop()
+        got = await owners[1].batch_get(list(blobs))
+        assert got == list(blobs.values())
+    finally:
+        for c in owners:
+            await c.close()
+        await runner.stop()
+
+
+async def test_a_corrupt_dram_copy_is_a_miss_removed_and_counted():
+    runner, addr = await start()
+    owner = await client(addr, "owner", dram_bytes=256 * KiB)
+    reader = await client(addr, "reader")
+    try:
+        data = os.urandom(16 * KiB)
+        assert await reader.put("m/x", data)
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = store_pb2_grpc.StoreMasterStub(ch)
+            rep = (await stub.GetReplicas(store_pb2.GetReplicasRequest(key="m/x"), timeout=5)).object.replicas[0]
+        owner.dram.tensor[rep.offset + 100] ^= 0xFF
+        before = metric("mooncaked_store_checksum_failures_total", tier="dram")
+        assert await reader.get("m/x") is None
+        assert metric("mooncaked_store_checksum_failures_total", tier="dram") == before + 1
+        assert not await reader.exist("m/x")
+    finally:
+        await reader.close()
+        await owner.close()
+        await runner.stop()

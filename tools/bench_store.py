@@ -1,0 +1,358 @@
+"""Benchmark the KV pool: put and get of 512 KiB objects through the master and the data plane,
+between two processes, against Mooncake's own store measured in the same run.
+
+Layout, for both systems: a master process; an owner process that lends the memory (our
+StoreClient with a DRAM segment / a MooncakeDistributedStore with a global segment); and a
+driver process, which lends nothing, that puts N objects and gets them back, so every byte
+crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency) and
+batched put and get (MB/s). Both use TCP on loopback.
+
+The baseline is `mooncake-transfer-engine`'s `MooncakeDistributedStore` with its
+`mooncake_master` (`pip install mooncake-transfer-engine-non-cuda` on a host without CUDA:
+the default wheel needs libcuda.so.1; Debian's libibverbs1 must be installed). When it
+cannot run, the output says "baseline unavailable: <reason>" and still gives our figures.
+
+Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B]
+Processes are spawned, never forked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+CTX = mp.get_context("spawn")
+MiB = 1 << 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def payloads(n: int, size: int) -> list[bytes]:
+    base = os.urandom(size)
+    return [i.to_bytes(8, "little") + base[8:] for i in range(n)]  # distinct, cheap to make
+
+
+def summarize(lat_s: list[float], nbytes: int) -> dict[str, float]:
+    lat = sorted(lat_s)
+    total = sum(lat)
+    return {
+        "mb_s": round(nbytes * len(lat) / total / MiB, 1),
+        "p50_ms": round(1e3 * lat[len(lat) // 2], 3),
+        "p99_ms": round(1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3),
+    }
+
+
+def throughput(seconds: float, nbytes: int) -> dict[str, float]:
+    return {"mb_s": round(nbytes / seconds / MiB, 1)}
+
+
+# -- ours -------------------------------------------------------------------------------------------
+_MASTER = ("import asyncio, sys\n"
+           "from mooncaked.config import StoreConfig\n"
+           "from mooncaked.roles.store_role import run_store_role\n"
+           "import uvloop; sys.exit(uvloop.run(run_store_role(StoreConfig(listen=sys.argv[1], log_level='WARNING'))))\n")
+
+
+def _our_owner(pipe: Connection, master: str, dram_bytes: int, backend: str) -> None:
+    import uvloop
+
+    from mooncaked.store import StoreClient, StoreClientConfig
+
+    async def main() -> None:
+        client = StoreClient(StoreClientConfig(master=master, client_id="bench-owner", dram_bytes=dram_bytes,
+                                               transfer_backend=backend))
+        await client.start()
+        pipe.send("ready")
+        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+        await client.close()
+
+    uvloop.run(main())
+
+
+def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, backend: str) -> None:
+    import uvloop
+
+    from mooncaked.store import StoreClient, StoreClientConfig
+
+    async def main() -> dict[str, Any]:
+        client = StoreClient(StoreClientConfig(master=master, client_id="bench-driver", transfer_backend=backend,
+                                               staging_bytes=max(64 * MiB, 2 * batch * size)))
+        await client.start()
+        data = payloads(n, size)
+        keys = [f"bench/{i}" for i in range(n)]
+        for i in range(4):  # warm up connections
+            await client.put(f"warm/{i}", data[i])
+            await client.get(f"warm/{i}")
+        put_lat, get_lat = [], []
+        for k, d in zip(keys, data):
+            t = time.perf_counter()
+            ok = await client.put(k, d)
+            put_lat.append(time.perf_counter() - t)
+            assert ok, f"put {k} found no room"
+        for k, d in zip(keys, data):
+            t = time.perf_counter()
+            got = await client.get(k)
+            get_lat.append(time.perf_counter() - t)
+            assert got == d, f"get {k} returned wrong bytes"
+        await client.remove(keys)
+        bkeys = [f"batch/{i}" for i in range(n)]
+        t = time.perf_counter()
+        for s in range(0, n, batch):
+            ok = await client.batch_put(list(zip(bkeys[s:s + batch], data[s:s + batch])))
+            assert all(ok), f"batch put found no room for {ok.count(False)} objects"
+        bput = time.perf_counter() - t
+        t = time.perf_counter()
+        for s in range(0, n, batch):
+            got = await client.batch_get(bkeys[s:s + batch])
+            assert got == data[s:s + batch], "batch get returned wrong bytes or missed"
+        bget = time.perf_counter() - t
+        await client.remove(bkeys)
+        await client.close()
+        return {"put": summarize(put_lat, size), "get": summarize(get_lat, size),
+                "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size)}
+
+    try:
+        pipe.send(uvloop.run(main()))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        pipe.send(f"{type(e).__name__}: {e}")
+
+
+def bench_ours(n: int, size: int, batch: int, backend: str = "tcp") -> dict[str, Any]:
+    port = free_port()
+    master = subprocess.Popen([sys.executable, "-c", _MASTER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT)
+    try:
+        line = master.stdout.readline()
+        if "gRPC on" not in line:
+            raise RuntimeError(f"store master did not start: {line!r}")
+        addr = f"127.0.0.1:{port}"
+        owner_pipe, child = CTX.Pipe()
+        # room for both phases: the first phase's removed objects stay reserved until their read leases end
+        owner = CTX.Process(target=_our_owner, args=(child, addr, int(n * size * 2.4) + 64 * MiB, backend),
+                            daemon=True)
+        owner.start()
+        if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
+            raise RuntimeError("our owner process did not start")
+        driver_pipe, child = CTX.Pipe()
+        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend), daemon=True)
+        driver.start()
+        if not driver_pipe.poll(300):
+            raise RuntimeError("our driver did not finish")
+        result = driver_pipe.recv()
+        driver.join(10)
+        owner_pipe.send("stop")
+        owner.join(10)
+        if isinstance(result, str):
+            raise RuntimeError(result)
+        return result
+    finally:
+        master.terminate()
+        master.wait(10)
+
+
+# -- Mooncake ---------------------------------------------------------------------------------------
+def _mc_setup(store: Any, meta: str, master: str, segment: int, buffer: int) -> None:
+    rc = store.setup("127.0.0.1", meta, segment, buffer, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+
+
+def _mc_owner(pipe: Connection, meta: str, master: str, segment: int) -> None:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        _mc_setup(store, meta, master, segment, 16 * MiB)
+        pipe.send("ready")
+        pipe.recv()
+        store.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        pipe.send(f"{type(e).__name__}: {e}")
+
+
+def _mc_driver(pipe: Connection, meta: str, master: str, n: int, size: int, batch: int) -> None:
+    try:
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        _mc_setup(store, meta, master, 0, max(256 * MiB, 4 * batch * size))
+        data = payloads(n, size)
+        keys = [f"bench/{i}" for i in range(n)]
+        for i in range(4):
+            store.put(f"warm/{i}", data[i])
+            store.get(f"warm/{i}")
+        put_lat, get_lat = [], []
+        for k, d in zip(keys, data):
+            t = time.perf_counter()
+            rc = store.put(k, d)
+            put_lat.append(time.perf_counter() - t)
+            assert rc == 0, f"mooncake put {k} returned {rc}"
+        for k, d in zip(keys, data):
+            t = time.perf_counter()
+            got = store.get(k)
+            get_lat.append(time.perf_counter() - t)
+            assert got == d, f"mooncake get {k} returned wrong bytes"
+        for k in keys:
+            store.remove(k)  # as ours does; a leased object stays until its lease ends (same as ours)
+        bkeys = [f"batch/{i}" for i in range(n)]
+        t = time.perf_counter()
+        for s in range(0, n, batch):
+            rc = store.put_batch(bkeys[s:s + batch], data[s:s + batch])
+            assert rc == 0, f"mooncake put_batch returned {rc}"
+        bput = time.perf_counter() - t
+        t = time.perf_counter()
+        for s in range(0, n, batch):
+            got = list(store.get_batch(bkeys[s:s + batch]))
+            bad = sum(g != d for g, d in zip(got, data[s:s + batch]))
+            assert not bad, f"mooncake get_batch returned wrong bytes or missed for {bad} of {len(got)} objects"
+        bget = time.perf_counter() - t
+        store.close()
+        pipe.send({"put": summarize(put_lat, size), "get": summarize(get_lat, size),
+                   "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size)})
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        pipe.send(f"{type(e).__name__}: {e}")
+
+
+def mooncake_unavailable() -> str | None:
+    """Why the baseline cannot run here, or None."""
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason
+        return f"cannot import mooncake.store ({type(e).__name__}: {e}); pip install mooncake-transfer-engine " \
+               "(mooncake-transfer-engine-non-cuda without CUDA) and apt-get install libibverbs1"
+    if not _mooncake_master():
+        return "mooncake_master is not on PATH nor next to this Python"
+    return None
+
+
+def _mooncake_master() -> str | None:
+    here = Path(sys.executable).parent / "mooncake_master"
+    return str(here) if here.exists() else shutil.which("mooncake_master")
+
+
+def bench_mooncake(n: int, size: int, batch: int) -> dict[str, Any]:
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    log = open(os.devnull, "w")
+    master = subprocess.Popen([_mooncake_master(), f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+                               f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
+                               f"--metrics_port={metrics}"], stdout=log, stderr=log)
+    try:
+        meta, addr = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
+        deadline = time.monotonic() + 20
+        while not _listening(rpc) or not _listening(http):
+            if master.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master did not start (exit {master.poll()})")
+            time.sleep(0.1)
+        owner_pipe, child = CTX.Pipe()
+        owner = CTX.Process(target=_mc_owner, args=(child, meta, addr, int(n * size * 2.4) + 64 * MiB),
+                            daemon=True)
+        owner.start()
+        ready = owner_pipe.recv() if owner_pipe.poll(60) else "timeout"
+        if ready != "ready":
+            raise RuntimeError(f"mooncake owner: {ready}")
+        driver_pipe, child = CTX.Pipe()
+        driver = CTX.Process(target=_mc_driver, args=(child, meta, addr, n, size, batch), daemon=True)
+        driver.start()
+        result = driver_pipe.recv() if driver_pipe.poll(300) else "driver timed out"
+        driver.join(10)
+        owner_pipe.send("stop")
+        owner.join(10)
+        if owner.is_alive():
+            owner.kill()
+        if isinstance(result, str):
+            raise RuntimeError(result)
+        return result
+    finally:
+        master.terminate()
+        master.wait(10)
+        log.close()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# -- main ---------------------------------------------------------------------------------------------
+def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per row, the run with the highest MB/s (reps absorb noise from the shared machine)."""
+    return {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0]}
+
+
+SYSTEMS = {"ours": "tcp", "ours_shm": "auto"}  # our rows: the tcp backend, and auto (shm between processes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer objects and one rep (< 1 min)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--objects", type=int, default=None, help="objects per run (default 512, quick 96)")
+    p.add_argument("--object-kib", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16, help="objects per batch in the batched rows")
+    p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
+    args = p.parse_args(argv)
+    n = args.objects or (96 if args.quick else 512)
+    reps = args.reps or (1 if args.quick else 3)
+    size = args.object_kib * 1024
+    why = mooncake_unavailable()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SYSTEMS, "mooncake")}
+    for _ in range(reps):
+        for name, backend in SYSTEMS.items():
+            runs[name].append(bench_ours(n, size, args.batch, backend))
+        if why is None:
+            try:
+                runs["mooncake"].append(bench_mooncake(n, size, args.batch))
+            except Exception as e:  # noqa: BLE001 - the baseline failing must not hide our figures
+                why = f"{type(e).__name__}: {e}"
+    out: dict[str, Any] = {"object_bytes": size, "objects": n, "batch": args.batch, "reps": reps,
+                           "transport": {"ours": "tcp loopback", "ours_shm": "shared memory (backend auto)",
+                                         "mooncake": "tcp loopback"}}
+    for name in SYSTEMS:
+        out[name] = best(runs[name])
+    if runs["mooncake"] and why is None:
+        mc = out["mooncake"] = best(runs["mooncake"])
+        out["baseline"] = "mooncake-transfer-engine MooncakeDistributedStore + mooncake_master"
+        out["ratios"] = {name: {row: round(out[name][row]["mb_s"] / mc[row]["mb_s"], 2) for row in mc}
+                         for name in SYSTEMS}
+    else:
+        out["mooncake"] = None
+        out["baseline"] = f"baseline unavailable: {why}"
+        out["ratios"] = None
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{n} objects of {size // 1024} KiB, batches of {args.batch}, best of {reps}; "
+          "ours over tcp and over shm (auto), Mooncake over tcp; ratio = MB/s ours / Mooncake")
+    print(f"{'row':<10} {'system':<9} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
+    for row in ("put", "get", "batch_put", "batch_get"):
+        for name in (*SYSTEMS, "mooncake"):
+            r = out[name][row] if out.get(name) else None
+            if r is None:
+                continue
+            ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in SYSTEMS else ""
+            p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
+            p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
+            print(f"{row:<10} {name:<9} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
+    if out["mooncake"] is None:
+        print(out["baseline"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
