@@ -58,6 +58,8 @@ class Cluster:
             cmd += ["--conductor", self.conductor]
         else:
             self.conductor_port = port
+            if "--http" not in args:
+                cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         self.ports[name] = port

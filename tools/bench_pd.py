@@ -47,6 +47,8 @@ class MiniCluster:
             cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", listen, "--name", role]
             if role != "conductor":
                 cmd += ["--conductor", self.conductor]
+            else:
+                cmd += ["--http", "127.0.0.1:0"]
             log = open(log_dir / f"{role}.log", "w")
             self.procs.append(subprocess.Popen(cmd, env=base, stdout=log, stderr=subprocess.STDOUT))
 

@@ -50,6 +50,8 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
 def _child_main(cfg: RoleConfig) -> None:
     from mooncaked.cli import run_role
 
+    os.environ.pop("NOTIFY_SOCKET", None)  # only the `all` process speaks to systemd
+
     raise SystemExit(run_role(cfg, parent_pid=os.getppid()))
 
 

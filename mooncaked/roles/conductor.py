@@ -5,12 +5,15 @@ prefill on P (which pushes KV to D), then relay D's token stream to the client."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
+from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.registry import DEAD, Instance, Registry
 from mooncaked.conductor.router import NoInstanceError, pick
@@ -146,41 +149,62 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         return ids
 
     async def Generate(self, request, context):
-        rid = request.request_id or uuid.uuid4().hex
+        async with contextlib.aclosing(self.generate_stream(request, context)) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    async def generate_stream(self, request: conductor_pb2.GenerateRequest, context,
+                              front: str = "grpc") -> AsyncIterator[conductor_pb2.GenerateChunk]:
+        """The request path both fronts share (gRPC ``Generate``, the HTTP API), so they route,
+        reject and measure alike. ``context`` needs only ``async abort(code, details)``, which
+        must raise: gRPC's context ends the call with that status; the HTTP front raises an
+        error it maps to an HTTP status. Closing the iterator early cancels the request."""
+        timer = metrics.StreamTimer(front)
+        context = metrics.CountingContext(context, timer)
+        outcome = "error"
         try:
-            params = sampling_from_proto(request.sampling)
-            ids = self.tokenize(request)
-        except (RequestError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if len(ids) + params.max_tokens > self.model_config.max_position_embeddings:
-            params.max_tokens = self.model_config.max_position_embeddings - len(ids)
-        hashes = block_hashes(ids, self.block_size, self.hash_seed)
-        route_p, route_d, reply = await self._prefill(context, rid, ids, params, hashes)
-        call = route_d.stub.Decode(engine_pb2.DecodeRequest(request_id=rid, first_token_id=reply.first_token_id,
-                                                            first_logprob=reply.first_logprob),
-                                   timeout=DECODE_TIMEOUT_S)
-        first = True
-        route_d.inflight += 1
-        try:
-            async for chunk in call:
-                out = conductor_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text,
-                                                  finish_reason=chunk.finish_reason, logprobs=chunk.logprobs)
-                if first:
-                    out.request_id = rid
-                    out.prompt_tokens = len(ids)
-                    out.num_cached_tokens = reply.num_cached_tokens
-                    out.prefill_instance = route_p.name
-                    out.decode_instance = route_d.name
-                    first = False
-                yield out
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.registry.mark_dead(route_d.name, f"stream broke: {e.details()}")
-            await context.abort(e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
-                                f"decode instance {route_d.name} failed mid-stream: {e.details()}")
+            rid = request.request_id or uuid.uuid4().hex
+            try:
+                params = sampling_from_proto(request.sampling)
+                ids = self.tokenize(request)
+            except (RequestError, ValueError) as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if len(ids) + params.max_tokens > self.model_config.max_position_embeddings:
+                params.max_tokens = self.model_config.max_position_embeddings - len(ids)
+            hashes = block_hashes(ids, self.block_size, self.hash_seed)
+            route_p, route_d, reply = await self._prefill(context, rid, ids, params, hashes)
+            call = route_d.stub.Decode(engine_pb2.DecodeRequest(request_id=rid, first_token_id=reply.first_token_id,
+                                                                first_logprob=reply.first_logprob),
+                                       timeout=DECODE_TIMEOUT_S)
+            first = True
+            route_d.inflight += 1
+            try:
+                async for chunk in call:
+                    out = conductor_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text,
+                                                      finish_reason=chunk.finish_reason, logprobs=chunk.logprobs)
+                    if first:
+                        out.request_id = rid
+                        out.prompt_tokens = len(ids)
+                        out.num_cached_tokens = reply.num_cached_tokens
+                        out.prefill_instance = route_p.name
+                        out.decode_instance = route_d.name
+                        first = False
+                    timer.chunk(len(chunk.token_ids), out.prompt_tokens, out.num_cached_tokens)
+                    yield out
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.registry.mark_dead(route_d.name, f"stream broke: {e.details()}")
+                await context.abort(e.code() if e.code() != grpc.StatusCode.UNKNOWN else grpc.StatusCode.INTERNAL,
+                                    f"decode instance {route_d.name} failed mid-stream: {e.details()}")
+            finally:
+                route_d.inflight -= 1
+                call.cancel()  # a client that went away cancels the decode stream, which frees D's blocks
+            outcome = "ok"
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
         finally:
-            route_d.inflight -= 1
-            call.cancel()  # a client that went away cancels the decode stream, which frees D's blocks
+            timer.done("rejected" if context.aborted and timer.first_at is None else outcome)
 
     async def _prefill(self, context, rid: str, ids: list[int], params, hashes: list[int]):
         """Reserve on a decode instance and prefill on a prefill instance, retrying elsewhere on failure."""
@@ -253,9 +277,12 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
 
 
 async def run_conductor_role(cfg) -> int:
-    """Serve the Conductor service until SIGTERM."""
+    """Serve the Conductor service (gRPC) and the HTTP front until SIGTERM."""
     from pathlib import Path
 
+    from mooncaked.conductor.http_api import start_http
+    from mooncaked.config import HostPort
+    from mooncaked.conductor.openai_schema import ServedModel
     from mooncaked.engine.loader import read_model_config, resolve_model_dir
     from mooncaked.roles.server import RoleServer, sd_notify, spawn
 
@@ -268,14 +295,26 @@ async def run_conductor_role(cfg) -> int:
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Conductor"])
     conductor_pb2_grpc.add_ConductorServicer_to_server(service, server.server)
     port = await server.start()
+    # clients may name the model as configured (a path, "default") or by the id engines report
+    names = tuple(dict.fromkeys([model_dir.name, str(cfg.model or "default")]))
+    served = ServedModel(names, model_config.max_position_embeddings, model_config.vocab_size)
+    try:
+        http, http_port = await start_http(service, served, cfg.http.host, cfg.http.port, cfg.api_key,
+                                           cfg.drain_timeout_s)
+    except OSError as e:
+        await server.stop(0)
+        raise OSError(f"cannot serve HTTP on {cfg.http}: {e.strerror or e}; pick another --http address") from e
     sweeper = spawn(service.sweep_forever(), "sweep")
     server.install_signal_handlers()
-    print(f"mooncaked conductor {cfg.name}: gRPC on {cfg.listen.host}:{port}, model {model_dir.name}", flush=True)
+    http_at = str(HostPort(cfg.http.host, http_port))
+    print(f"mooncaked conductor {cfg.name}: gRPC on {cfg.listen.host}:{port}, HTTP on {http_at}, "
+          f"model {model_dir.name}", flush=True)
     sd_notify("READY=1")
     await server.stopping.wait()
     sd_notify("STOPPING=1")
     sweeper.cancel()
-    await server.stop(cfg.drain_timeout_s)
+    # both fronts stop accepting and drain their streams together, within one drain timeout
+    await asyncio.gather(http.cleanup(), server.stop(cfg.drain_timeout_s))
     for inst in service.registry.instances.values():
         if inst.channel is not None:
             await inst.channel.close()

@@ -1,0 +1,264 @@
+"""The conductor's HTTP front (aiohttp): OpenAI-compatible completions, Mooncake's KV-indexer
+API, ``/metrics`` and ``/health``.
+
+It runs in the conductor's process and calls the same in-process request path as gRPC
+``Generate`` (``ConductorService.generate_stream``), so both fronts schedule, reject and
+measure alike. gRPC statuses become HTTP statuses here, in one table, and every error is an
+OpenAI-style JSON body; a bad request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mooncaked.conductor import metrics
+from mooncaked.conductor.kv_indexer import KVIndexer
+from mooncaked.conductor.openai_schema import (ApiError, GenerateSpec, ServedModel, bad, chunk_body, parse_chat,
+                                               parse_completion, response_body, usage, usage_chunk)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # a long prompt as token ids (200k ids) is a few MB of JSON
+OPEN_PATHS = {"/health", "/metrics"}  # probes and scrapers carry no token
+
+# gRPC status of the request path -> (HTTP status, OpenAI error type, code)
+STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+}
+
+
+class UpstreamError(Exception):
+    """The request path aborted with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _HttpContext:
+    """What ``generate_stream`` needs of a front's context: an ``abort`` that raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise UpstreamError(code, details)
+
+
+def api_error(e: UpstreamError) -> ApiError:
+    status, type_, code = STATUS_MAP.get(e.code, (500, "server_error", "internal_error"))
+    return ApiError(status, e.details or e.code.name.lower(), type_, None, code)
+
+
+@dataclass
+class HttpFront:
+    """The handlers; ``service`` is the running ``ConductorService``."""
+
+    service: Any
+    served: ServedModel
+    api_key: str | None
+    indexer: KVIndexer
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    # -- middleware ---------------------------------------------------------------------------
+    @web.middleware
+    async def errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            message = e.text if e.text and not e.text.startswith(str(e.status)) else e.reason
+            err = ApiError(e.status, f"{message}: {request.method} {request.path}", kind)
+            return web.json_response(err.body(), status=e.status, headers={
+                k: v for k, v in e.headers.items() if k.lower() == "allow"})
+        except Exception:  # a bug: the client still gets a JSON body, the log gets the traceback
+            log.exception("%s %s failed", request.method, request.path)
+            err = ApiError(500, "internal error; the conductor's log has the details", "server_error")
+            return web.json_response(err.body(), status=500)
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           "invalid_request_error", None, "invalid_api_key")
+        return await handler(request)
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    async def body(request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read())
+        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise bad(f"the request body is not valid JSON: {e}") from None
+
+    # -- OpenAI -------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, await self._parse(request, parse_completion))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, await self._parse(request, parse_chat))
+
+    async def _parse(self, request: web.Request, parse) -> GenerateSpec:
+        try:
+            return parse(await self.body(request), self.served)
+        except ApiError:
+            metrics.rejected("invalid_argument")  # refused before the request path saw it
+            raise
+
+    async def _generate(self, request: web.Request, spec: GenerateSpec) -> web.StreamResponse:
+        stream = self.service.generate_stream(spec.request, _HttpContext(), front="http")
+        async with contextlib.aclosing(stream):
+            # wait for the first chunk before answering: until then every failure (early
+            # rejection, no instance) still gets its own status instead of a broken 200 stream
+            try:
+                first = await anext(stream)
+            except UpstreamError as e:
+                raise api_error(e) from None
+            except StopAsyncIteration:
+                raise ApiError(500, "the request produced no tokens", "server_error") from None
+            if spec.stream:
+                return await self._sse(request, spec, first, stream)
+            chunks = [first]
+            try:
+                chunks += [c async for c in stream]
+            except UpstreamError as e:
+                raise api_error(e) from None
+        use = usage(first.prompt_tokens, sum(len(c.token_ids) for c in chunks), first.num_cached_tokens)
+        text = "".join(c.text for c in chunks)
+        return web.json_response(response_body(spec, first.request_id, text, chunks[-1].finish_reason, use))
+
+    async def _sse(self, request: web.Request, spec: GenerateSpec, first, stream) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        rid = first.request_id
+
+        async def send(obj: dict | str) -> None:
+            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+            await resp.write(f"data: {data}\n\n".encode())
+
+        n_tokens = len(first.token_ids)
+        try:
+            await send(chunk_body(spec, rid, first.text, first.finish_reason, True))
+            try:
+                async for c in stream:
+                    n_tokens += len(c.token_ids)
+                    await send(chunk_body(spec, rid, c.text, c.finish_reason, False))
+            except UpstreamError as e:
+                # headers are gone: the error travels in the stream, as OpenAI's does
+                await send(api_error(e).body())
+            else:
+                if spec.include_usage:
+                    await send(usage_chunk(spec, rid, usage(first.prompt_tokens, n_tokens, first.num_cached_tokens)))
+            await send("[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("client of %s went away mid-stream; cancelling it", rid)
+        return resp
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card(self.served.names[0])]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.served.names:
+            raise ApiError(404, f"the model {name!r} does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return web.json_response(self._model_card(name))
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        # max_model_len as vLLM reports it; vocab_size lets clients (tools/replay.py) make token ids
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "mooncaked",
+                "max_model_len": self.served.max_context, "vocab_size": self.served.vocab_size}
+
+    # -- KV indexer ---------------------------------------------------------------------------
+    async def query(self, request: web.Request) -> web.Response:
+        return web.json_response(self.indexer.query(await self.body(request), by_hash=False))
+
+    async def query_by_hash(self, request: web.Request) -> web.Response:
+        return web.json_response(self.indexer.query(await self.body(request), by_hash=True))
+
+    async def register(self, request: web.Request) -> web.Response:
+        return web.json_response(self.indexer.register(await self.body(request)))
+
+    async def unregister(self, request: web.Request) -> web.Response:
+        return web.json_response(self.indexer.unregister(await self.body(request)))
+
+    async def events(self, request: web.Request) -> web.Response:
+        return web.json_response(self.indexer.events(await self.body(request)))
+
+    # -- operations ---------------------------------------------------------------------------
+    async def metrics(self, request: web.Request) -> web.Response:
+        metrics.refresh(self.service.registry, len(self.service.index))
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Ready when at least one prefill and one decode instance serve: a balancer should send
+        no traffic to a conductor that can only answer 503."""
+        reg = self.service.registry
+        counts = {role: len(reg.available(role)) for role in ("prefill", "decode")}
+        ready = all(counts.values())
+        return web.json_response({"status": "ok" if ready else "unavailable", **counts}, status=200 if ready else 503)
+
+
+def make_app(service: Any, served: ServedModel, api_key: str | None) -> web.Application:
+    front = HttpFront(service, served, api_key, KVIndexer(service))
+    app = web.Application(middlewares=[front.errors, front.auth], client_max_size=MAX_BODY_BYTES)
+    app.add_routes([
+        web.post("/v1/completions", front.completions),
+        web.post("/v1/chat/completions", front.chat_completions),
+        web.get("/v1/models", front.models),
+        web.get("/v1/models/{model}", front.model),
+        web.post("/query", front.query),
+        web.post("/query_by_hash", front.query_by_hash),
+        web.post("/register", front.register),
+        web.post("/unregister", front.unregister),
+        web.post("/events", front.events),
+        web.get("/metrics", front.metrics),
+        web.get("/health", front.health),
+    ])
+    return app
+
+
+async def start_http(service: Any, served: ServedModel, host: str, port: int, api_key: str | None,
+                     shutdown_timeout_s: float) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: any free port) and return the runner (``cleanup()`` stops it,
+    letting open streams finish for up to ``shutdown_timeout_s``) and the bound port."""
+    # handler_cancellation: a client that disconnects cancels its handler, hence its request
+    runner = web.AppRunner(make_app(service, served, api_key), handler_cancellation=True,
+                           shutdown_timeout=shutdown_timeout_s, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound = port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple):
+            bound = addr[1]
+            break
+    return runner, bound
