@@ -3,6 +3,7 @@
     mooncakectl [--conductor HOST:PORT] status [--json]
     mooncakectl generate "PROMPT" [--raw] [--max-tokens N] [--temperature T]
     mooncakectl drain|undrain INSTANCE
+    mooncakectl --store HOST:PORT store [--json]
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, store_pb2, store_pb2_grpc
 
 TIMEOUT_S = 10.0
 _STATES = {common_pb2.INSTANCE_STATE_STARTING: "starting", common_pb2.INSTANCE_STATE_SERVING: "serving",
@@ -72,6 +73,27 @@ def cmd_drain(stub, args, drain: bool) -> int:
     return 0
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}MiB"
+
+
+def cmd_store(args) -> int:
+    with grpc.insecure_channel(args.store) as channel:
+        reply = store_pb2_grpc.StoreMasterStub(channel).PoolStats(store_pb2.PoolStatsRequest(), timeout=TIMEOUT_S)
+    if args.json:
+        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True)))
+        return 0
+    lookups = reply.hits + reply.misses
+    print(f"{reply.objects} objects, hit rate {reply.hits / lookups if lookups else 0:.1%} ({reply.hits}/{lookups}), "
+          f"{reply.evictions} evictions, {reply.demotions} demotions, {reply.promotions} promotions")
+    print(f"{'SEGMENT':<40} {'OWNER':<28} {'TIER':<6} {'USED':>10} {'CAPACITY':>10} {'USE':>6} {'OBJECTS':>8}")
+    for seg in reply.segments:
+        use = seg.used / seg.capacity if seg.capacity else 0.0
+        print(f"{seg.name:<40} {seg.owner:<28} {seg.medium:<6} {_mib(seg.used):>10} {_mib(seg.capacity):>10} "
+              f"{use:>6.1%} {seg.objects:>8}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="mooncakectl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,10 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--store", default=os.environ.get("MOONCAKED_STORE", "127.0.0.1:50052"),
+                   help="HOST:PORT of the store master (env MOONCAKED_STORE), for `store`")
+    s = sub.add_parser("store", help="KV pool use per segment and tier, objects, hit rate, evictions")
+    s.add_argument("--json", action="store_true")
     for name in ("drain", "undrain"):
         d = sub.add_parser(name, help=f"{name} an instance (by name, see status)")
         d.add_argument("instance")
     args = p.parse_args(argv)
+    if args.command == "store":
+        try:
+            return cmd_store(args)
+        except grpc.RpcError as e:
+            print(f"mooncakectl: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     with grpc.insecure_channel(args.conductor) as channel:
         stub = conductor_pb2_grpc.ConductorStub(channel)
         try:

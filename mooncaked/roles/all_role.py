@@ -18,6 +18,8 @@ from mooncaked.config import (AllConfig, ConductorConfig, DecodeConfig, HostPort
 
 log = logging.getLogger(__name__)
 
+DEFAULT_POOL_DRAM = 256 << 20  # what the embedded prefill lends the KV pool when nothing is configured
+
 
 def free_port(host: str) -> int:
     with socket.socket() as s:
@@ -41,7 +43,7 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     if cfg.store is None:
         out.append(make(StoreConfig, role="store", listen=store))
     out.append(make(PrefillConfig, role="prefill", listen=HostPort(host, free_port(host)), conductor=conductor,
-                    store=store))
+                    store=store, store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
     out.append(make(DecodeConfig, role="decode", listen=HostPort(host, free_port(host)), conductor=conductor,
                     store=store))
     return out

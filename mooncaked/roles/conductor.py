@@ -75,10 +75,11 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         if inst is None:
             return conductor_pb2.HeartbeatReply(known=False)
         for e in request.events:
+            holder = e.instance or request.name  # blocks written to the pool name the pool as holder
             if e.kind == common_pb2.KVEvent.KIND_STORED:
-                self.index.stored(request.name, list(e.block_hashes), e.medium or "dram")
+                self.index.stored(holder, list(e.block_hashes), e.medium or "dram")
             elif e.kind == common_pb2.KVEvent.KIND_REMOVED:
-                self.index.removed(request.name, list(e.block_hashes))
+                self.index.removed(holder, list(e.block_hashes))
         return conductor_pb2.HeartbeatReply(known=True)
 
     async def Deregister(self, request, context):

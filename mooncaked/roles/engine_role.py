@@ -14,6 +14,7 @@ from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_gr
 from mooncaked.roles.convert import layout_to_proto
 from mooncaked.roles.kv_push import KV_REGION
 from mooncaked.roles.membership import Membership
+from mooncaked.roles.pool_cache import POOL_HOLDER
 from mooncaked.roles.server import RoleServer, sd_notify, spawn
 from mooncaked.roles.worker import WorkerService
 from mooncaked.transfer import TransferEngine
@@ -39,7 +40,8 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         None, lambda: Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n)))
     engine.start_driver(loop)
     await transfer.start()
-    service = WorkerService(cfg.name, role, engine, transfer, model_id_of(model_dir), cfg.kv_push)
+    store = await _start_store_client(cfg, transfer) if cfg.store is not None else None
+    service = WorkerService(cfg.name, role, engine, transfer, model_id_of(model_dir), cfg.kv_push, store)
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"])
     engine_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     port = await server.start()
@@ -57,6 +59,11 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
             kind = common_pb2.KVEvent.KIND_STORED if e.kind == "stored" else common_pb2.KVEvent.KIND_REMOVED
             events.append(common_pb2.KVEvent(kind=kind, block_hashes=e.block_hashes, medium=medium,
                                              instance=cfg.name))
+        if service.pool is not None:
+            stored = service.pool.drain_events()
+            if stored:
+                events.append(common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=stored,
+                                                 medium="pool", instance=POOL_HOLDER))
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
                                               events=events)
 
@@ -83,6 +90,26 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     await server.stop(1.0)
     await membership.close()
     engine.close()
+    if store is not None:
+        await store.close()
     await transfer.close()
     log.info("%s stopped", cfg.name)
     return 0
+
+
+async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
+    """Join the KV pool; a store master that stays unreachable leaves us serving without it."""
+    from mooncaked.store import StoreClient, StoreClientConfig, StoreError
+
+    store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer)
+    for attempt in range(30):
+        try:
+            await store.start()
+            log.info("%s joined the KV pool at %s (DRAM %d bytes, LMDB %s)", cfg.name, cfg.store,
+                     cfg.store_dram_bytes, cfg.store_lmdb_path or "none")
+            return store
+        except StoreError as e:
+            if attempt == 29:
+                log.error("store master %s unreachable (%s); serving without the KV pool", cfg.store, e)
+            await asyncio.sleep(1.0)
+    return None

@@ -49,6 +49,7 @@ class KVPush:
     pushed: list[int] = field(default_factory=list)  # per layer: tokens pushed so far
     tasks: list[asyncio.Future] = field(default_factory=list)
     bytes_sent: int = 0
+    block_table: list[int] = field(default_factory=list)  # the prefill's blocks for the request, last seen
 
     def __post_init__(self) -> None:
         self.pushed = [0] * self.local.num_layers
@@ -56,6 +57,7 @@ class KVPush:
     def on_layer(self, layer: int, step: StepSeq) -> None:
         """Engine thread: the layer now holds KV for tokens up to step.start + step.num_tokens."""
         end = min(step.start + step.num_tokens, self.num_tokens)
+        self.block_table = step.block_table
         if not self.layerwise:
             if step.finishes_prompt and layer == self.local.num_layers - 1:
                 blocks = list(step.block_table)

@@ -22,6 +22,7 @@ from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mooncaked.roles.convert import layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto
 from mooncaked.roles.kv_push import KV_REGION, KVPush
+from mooncaked.roles.pool_cache import PoolCache
 from mooncaked.transfer import TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class Reservation:
 
 class WorkerService(engine_pb2_grpc.EngineServicer):
     def __init__(self, name: str, role: str, engine: Engine, transfer: TransferEngine, model_id: str,
-                 kv_push: str = "layerwise") -> None:
+                 kv_push: str = "layerwise", store=None) -> None:
         self.name = name
         self.role = role
         self.engine = engine
@@ -55,6 +56,7 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         self.pushes: dict[str, KVPush] = {}
         self.queued_prefill_tokens = 0
         self.inflight = 0
+        self.pool = PoolCache(store, engine, model_id) if store is not None else None
         engine.layer_hook = self._on_layer
 
     # -- helpers --------------------------------------------------------------------------
@@ -168,15 +170,18 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
 
         one = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+        imported = await self.pool.fetch_prefix(prompt) if self.pool is not None else []
         self.pushes[rid] = push
         self.queued_prefill_tokens += len(prompt)
         self.inflight += 1
         added = False
         try:
             try:
-                self.engine.add_request(prompt, one, rid, sink, hold_blocks=True)
+                self.engine.add_request(prompt, one, rid, sink, imported_blocks=imported, hold_blocks=True)
                 added = True
             except RequestError as e:
+                if imported:
+                    await self.engine.call(self.engine.unreserve, imported)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await asyncio.wait_for(first, PREFILL_TIMEOUT_S)
             if out.finish_reason == "abort":
@@ -187,6 +192,8 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 # ABORTED: the decode side is at fault; the conductor picks another decode instance
                 await context.abort(grpc.StatusCode.ABORTED, f"pushing KV to {push.peer} failed: {e}")
             assert push.complete, "prefill finished without pushing every layer"
+            if self.pool is not None:
+                self.pool.write_back(prompt, push.block_table, len(imported))
             token = out.token_ids[0]
             # the request ends here only if the first token ends it for the *real* limits
             finished = out.finish_reason == "stop" or params.max_tokens == 1
