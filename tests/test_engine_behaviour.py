@@ -85,6 +85,21 @@ def test_stops(llama):
     assert 2 not in eos.token_ids[:-1]  # eos id 2 ends the request when it appears
 
 
+def test_min_tokens_keeps_eos_out_of_reach(llama):
+    hf, folder = llama
+    engine = _engine(folder)
+    prompt = random_prompts([9], seed=17)[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    eos_at = free.token_ids[3]
+    held = engine.generate([prompt], SamplingParams(max_tokens=12, min_tokens=12, stop_token_ids=[eos_at]))[0]
+    assert held.finish_reason == "length" and eos_at not in held.token_ids
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                       eos_token_id=[2, eos_at], pad_token_id=0)[0, len(prompt):].tolist()
+    assert held.token_ids == want
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
+
+
 async def test_stream_deltas_and_abort(llama):
     _, folder = llama
     engine = _engine(folder)

@@ -58,7 +58,6 @@ class _Request:
     seq: Sequence
     detok: IncrementalDetokenizer
     sink: Sink
-    eos_ids: frozenset[int]
 
 
 @dataclass
@@ -111,6 +110,7 @@ class Engine:
                                           config.enable_prefix_caching, record_events=config.record_kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(self._eos_ids())
+        self.runner.eos_token_ids = self.eos_token_ids
         # called on the engine thread after each layer wrote its KV for the step's tokens
         self.layer_hook: StepHook | None = None
         self._held: dict[str, Sequence] = {}
@@ -232,8 +232,9 @@ class Engine:
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq.stop_ids = eos | frozenset(params.stop_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, list(params.stop), params.skip_special_tokens)
-        return _Request(seq, detok, sink or (lambda out: None), eos | frozenset(params.stop_token_ids))
+        return _Request(seq, detok, sink or (lambda out: None))
 
     def _wake_if_driven(self) -> None:
         if self._wake is not None:
@@ -326,7 +327,7 @@ class Engine:
             seq.logprobs.append(logprob)
         reason = None
         hit_stop = req.detok.add(seq.output_token_ids)
-        if token in req.eos_ids or hit_stop:
+        if token in seq.stop_ids or hit_stop:
             reason = "stop"
         elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

@@ -41,6 +41,7 @@ class ModelRunner:
         self.device = torch.device(engine_cfg.device)
         self.dtype = dtype
         self.block_size = engine_cfg.block_size
+        self.eos_token_ids: frozenset[int] = frozenset(model_cfg.eos_token_ids)
         scale = model_cfg.head_dim ** -0.5
         self.backend = make_backend(engine_cfg.attention_backend, self.device, self.block_size,
                                     model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, scale)
@@ -74,7 +75,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
             params = [s.seq.params for s in samplers]
             gens = [s.seq.generator for s in samplers]
-            ids, lps = sample(logits, params, gens)
+            # min_tokens: the (EOS and model-specific) stop ids cannot be chosen yet
+            banned = [(s.seq.stop_ids | self.eos_token_ids) if len(s.seq.output_token_ids) < s.seq.params.min_tokens
+                      else None for s in samplers]
+            ids, lps = sample(logits, params, gens, banned)
             for k, s in enumerate(samplers):
                 tokens[s.seq.request_id] = ids[k]
                 if lps is not None:

@@ -8,9 +8,17 @@ import torch
 from mooncaked.engine.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
-    """logits: [S, V] float32. Returns the chosen ids and, if any request asked, their log-probs."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           banned: list[frozenset[int] | None] | None = None) -> tuple[list[int], list[float] | None]:
+    """logits: [S, V] float32. Returns the chosen ids and, if any request asked, their log-probs.
+
+    ``banned[i]``: token ids row i may not choose (min_tokens keeps EOS out of reach).
+    """
+    if banned and any(banned):
+        logits = logits.clone()
+        for i, ids in enumerate(banned):
+            if ids:
+                logits[i, list(ids)] = float("-inf")
     want_logprobs = any(p.logprobs for p in params)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     if all(p.greedy for p in params):

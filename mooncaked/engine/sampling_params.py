@@ -12,6 +12,7 @@ class RequestError(ValueError):
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
+    min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens are out
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -31,6 +32,8 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
