@@ -1,21 +1,48 @@
-"""Picks the prefill and decode instance for a request.
+"""Picks the prefill and decode instance for a live request, through a scheduling policy.
 
-For now: the prefill instance with the least work once its cached prefix is counted
-(uncached prompt tokens + tokens already queued there), and the decode instance with the
-fewest requests that has room for the prompt's KV. The scheduling work (Mooncake's
-cost model, early rejection, hot-spot replication) replaces this.
+This is the live adapter around ``policies``: it turns the registry (heartbeat loads), the
+prefix index and the conductor's own ledgers into the views every policy reads, asks the
+policy, and maps its answer to a ``Route`` or a typed error. The simulator builds the same
+views from simulated instances and calls the same policy.
+
+Without a ``SchedulerState`` (the default) it keeps the old behaviour: least uncached +
+queued tokens on prefill (cache-aware, own cache only), fewest sequences on decode, no
+rejection. With one, the state's policy decides and its fitted models and ledgers feed it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
+from mooncaked.conductor.cost_model import GENERIC, InstanceModel, PrefillBacklog, Profile
+from mooncaked.conductor.policies import CacheAwareLocalPolicy, Policy
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.registry import Instance, Registry
+from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
+
+log = logging.getLogger(__name__)
+
+# Remaining tokens assumed for a sequence the heartbeat shows and the ledger does not know
+# (routed by someone else, or before a restart): a typical decode length.
+UNKNOWN_REMAINING_TOKENS = 256
 
 
 class NoInstanceError(Exception):
     """No instance can take the request now; the message says which role is missing."""
+
+
+class RejectedError(Exception):
+    """Early rejection: serving the request now would break an SLO (map to RESOURCE_EXHAUSTED / 429).
+
+    ``reason`` is machine-readable ("ttft_slo", "tbt_slo", "kv_capacity") for metrics.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -23,28 +50,146 @@ class Route:
     prefill: Instance
     decode: Instance
     cached_blocks: int
+    decision: Decision | None = None
+
+
+@dataclass
+class _Seq:
+    decode: str
+    context: int
+    remaining: int
+    joins_at_s: float
+
+
+@dataclass
+class SchedulerState:
+    """What the conductor learns at run time: per-instance fitted models and its own ledgers.
+
+    The prefill backlog is what this conductor routed to each prefill instance and has not
+    seen finish (``T_queue``, current between heartbeats); the decode ledger is each decode
+    instance's sequences with their estimated remaining tokens (``max_tokens`` minus what
+    was streamed). Call ``routed`` after a successful ``pick``, ``prefill_done`` when the
+    Prefill RPC returns (or fails), ``tokens`` as tokens are relayed, ``finished`` at the end.
+    """
+
+    policy: Policy
+    profile: Profile = GENERIC
+    clock: Callable[[], float] = time.monotonic
+    models: dict[str, InstanceModel] = field(default_factory=dict)
+    backlogs: dict[str, PrefillBacklog] = field(default_factory=dict)
+    seqs: dict[str, _Seq] = field(default_factory=dict)
+
+    def model(self, name: str) -> InstanceModel:
+        m = self.models.get(name)
+        if m is None:
+            m = self.models[name] = self.profile.instance_model()
+        return m
+
+    def backlog(self, name: str) -> PrefillBacklog:
+        return self.backlogs.setdefault(name, PrefillBacklog())
+
+    def forget(self, name: str) -> None:
+        """An instance left (or restarted): its model and backlog start afresh."""
+        self.models.pop(name, None)
+        self.backlogs.pop(name, None)
+
+    # -- the request's path ---------------------------------------------------------------
+    def routed(self, request_id: str, route: Route, prompt_len: int, max_tokens: int) -> None:
+        d = route.decision
+        predicted = d.predicted_prefill_s if d else 0.0
+        self.backlog(route.prefill.name).add(request_id, predicted, prompt_len)
+        joins = self.clock() + (d.predicted_ttft_s if d else 0.0)
+        self.seqs[request_id] = _Seq(route.decode.name, prompt_len + 1, max(max_tokens - 1, 0), joins)
+
+    def prefill_done(self, request_id: str, prefill: str, uncached: int = 0, prefix: int = 0,
+                     compute_s: float | None = None) -> None:
+        """The Prefill RPC returned; ``compute_s`` is the engine-measured compute time, if known."""
+        self.backlog(prefill).finish(request_id)
+        if compute_s is not None:
+            self.model(prefill).prefill.observe(uncached, prefix, compute_s)
+
+    def tokens(self, request_id: str, n: int = 1) -> None:
+        s = self.seqs.get(request_id)
+        if s is not None:
+            s.context += n
+            s.remaining = max(0, s.remaining - n)
+
+    def finished(self, request_id: str) -> None:
+        self.seqs.pop(request_id, None)
+        for b in self.backlogs.values():
+            b.finish(request_id)
+
+    # -- measurements (from heartbeats) ---------------------------------------------------
+    def observe_prefill(self, name: str, uncached: int, prefix: int, seconds: float) -> None:
+        self.model(name).prefill.observe(uncached, prefix, seconds)
+
+    def observe_decode(self, name: str, batch: int, context_tokens: int, seconds: float) -> None:
+        self.model(name).decode.observe(batch, context_tokens, seconds)
+
+    def observe_transfer(self, name: str, path: str, nbytes: int, seconds: float) -> None:
+        self.model(name).transfer.observe(path, nbytes, seconds)
+
+
+def _decode_batch(d: Instance, known: list[_Seq], now: float) -> tuple[SeqLoad, ...]:
+    """The ledger's sequences on ``d``, plus placeholders for load the heartbeat shows and the ledger does not."""
+    out = [SeqLoad(s.context, s.remaining, s.joins_at_s) for s in known]
+    seen = d.load.running_requests + d.load.waiting_requests
+    extra = max(0, max(seen, d.inflight) - len(known))
+    if extra:
+        used = (d.load.total_kv_blocks - d.load.free_kv_blocks) * d.layout.block_size
+        each = max(0, used - sum(s.context for s in known)) // extra
+        out.extend(SeqLoad(each, UNKNOWN_REMAINING_TOKENS, now) for _ in range(extra))
+    return tuple(out)
+
+
+def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], state: SchedulerState,
+                 exclude: set[str] | frozenset[str] = frozenset(), now: float | None = None,
+                 stateless: bool = False) -> ClusterView:
+    """The views a policy reads, from heartbeats, the prefix index and the state's ledgers."""
+    now = state.clock() if now is None else now
+    look = index.lookup(hashes)
+    prefills = []
+    for p in registry.available("prefill"):
+        if p.name in exclude:
+            continue
+        model = state.model(p.name)
+        backlog = state.backlog(p.name)
+        reported = p.load.queued_prefill_tokens + (p.inflight * p.layout.block_size if stateless else 0)
+        from_heartbeat = model.prefill.predict(reported, 0) if reported else 0.0
+        prefills.append(InstanceView(
+            p.name, "prefill", model, own_blocks=look.holders.get(p.name, 0),
+            own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
+            pool_slow_blocks=look.pool_slow, queued_tokens=max(reported, backlog.waiting_tokens),
+            queued_s=max(from_heartbeat, backlog.seconds(now))))
+    by_decode: dict[str, list[_Seq]] = {}
+    for s in state.seqs.values():
+        by_decode.setdefault(s.decode, []).append(s)
+    decodes = [InstanceView(d.name, "decode", state.model(d.name), batch=_decode_batch(d, by_decode.get(d.name, []), now),
+                            free_kv_blocks=d.load.free_kv_blocks, total_kv_blocks=d.load.total_kv_blocks)
+               for d in registry.available("decode") if d.name not in exclude]
+    return ClusterView(now, tuple(prefills), tuple(decodes), look.pool_source)
 
 
 def pick(registry: Registry, index: PrefixIndex, hashes: list[int], prompt_len: int,
-         exclude: set[str] = frozenset()) -> Route:
-    prefills = [p for p in registry.available("prefill") if p.name not in exclude]
-    decodes = [d for d in registry.available("decode") if d.name not in exclude]
-    if not prefills:
-        raise NoInstanceError("no prefill instance is serving")
-    if not decodes:
-        raise NoInstanceError("no decode instance is serving")
-    hits = index.match(hashes)
+         exclude: set[str] | frozenset[str] = frozenset(), *, state: SchedulerState | None = None,
+         max_tokens: int = 1, request_id: str = "", arrival_s: float | None = None) -> Route:
+    """Route a request; raises ``NoInstanceError`` (no instance of a role) or ``RejectedError`` (SLO).
 
-    def prefill_cost(p: Instance) -> tuple[int, int]:
-        bs = p.layout.block_size
-        uncached = prompt_len - hits.get(p.name, 0) * bs
-        return uncached + p.load.queued_prefill_tokens + p.inflight * bs, p.inflight
-
-    def decode_cost(d: Instance) -> tuple[int, int]:
-        return d.load.running_requests + d.load.waiting_requests + d.inflight, -d.load.free_kv_blocks
-
-    prefill = min(prefills, key=prefill_cost)
-    roomy = [d for d in decodes if d.load.free_kv_blocks * d.layout.block_size > prompt_len
-             or d.load.total_kv_blocks == 0]
-    decode = min(roomy or decodes, key=decode_cost)
-    return Route(prefill, decode, hits.get(prefill.name, 0))
+    ``state`` carries the policy, fitted models and ledgers; call ``state.routed`` with the
+    result. Without it a throwaway state with the cache-aware local policy and a
+    tokens-as-time prior reproduces the old router.
+    """
+    stateless = state is None
+    if state is None:
+        state = SchedulerState(CacheAwareLocalPolicy())
+    view = cluster_view(registry, index, hashes, state, exclude, stateless=stateless)
+    block_size = next((i.layout.block_size for i in registry.instances.values()), 1)
+    request = RequestView(prompt_len, tuple(hashes), block_size, max(max_tokens, 1),
+                          view.now_s if arrival_s is None else arrival_s, request_id)
+    decision = state.policy.decide(request, view)
+    if isinstance(decision, Rejection):
+        if decision.reason in ("no_prefill", "no_decode"):
+            raise NoInstanceError(decision.detail)
+        log.info("rejected %s early (%s): %s", request_id or "a request", decision.reason, decision.detail)
+        raise RejectedError(decision.reason, decision.detail)
+    return Route(registry.find(decision.prefill), registry.find(decision.decode), decision.reuse_blocks, decision)

@@ -1,0 +1,384 @@
+"""Scheduling policies, cost model, early rejection and the prefix index in constructed situations.
+
+No timing: every situation is built from views with known models, so each assertion is
+about a choice (which instance, how many blocks, from where, rejected or not and why).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from mooncaked.conductor.cost_model import (A800_LLAMA2_70B, DecodeTimeModel, PrefillBacklog, PrefillTimeModel,
+                                            Profile)
+from mooncaked.conductor.early_rejection import SLO, forecast_decode
+from mooncaked.conductor.policies import POLICY_NAMES, make_policy
+from mooncaked.conductor.prefix_index import PrefixIndex
+from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
+
+PROFILE = A800_LLAMA2_70B
+BS = PROFILE.block_size
+
+
+def request(blocks: int = 40, max_tokens: int = 100, extra_tokens: int = 100) -> RequestView:
+    return RequestView(prompt_len=blocks * BS + extra_tokens, block_hashes=tuple(range(blocks)), block_size=BS,
+                       max_tokens=max_tokens)
+
+
+def prefill(name: str, own: int = 0, pool: int = 0, queued_s: float = 0.0, profile: Profile = PROFILE,
+            available: bool = True) -> InstanceView:
+    return InstanceView(name, "prefill", profile.instance_model(), available=available, own_blocks=own,
+                        pool_blocks=max(pool, own), queued_s=queued_s, queued_tokens=int(queued_s * 8000))
+
+
+def decode(name: str, batch: tuple[SeqLoad, ...] = (), total_blocks: int = 10_000) -> InstanceView:
+    return InstanceView(name, "decode", PROFILE.instance_model(), batch=batch, total_kv_blocks=total_blocks,
+                        free_kv_blocks=total_blocks)
+
+
+def cluster(prefills, decodes=None, source: str | None = None) -> ClusterView:
+    return ClusterView(0.0, tuple(prefills), tuple(decodes or [decode("d0"), decode("d1")]), source)
+
+
+# -- every policy ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_cold_cluster_every_policy_routes_without_reuse(name):
+    """Nothing cached anywhere, nothing queued: a plain decision, no pull, no replication."""
+    c = cluster([prefill(f"p{i}") for i in range(4)])
+    d = make_policy(name).decide(request(), c)
+    assert isinstance(d, Decision)
+    assert d.prefill in {"p0", "p1", "p2", "p3"} and d.decode in {"d0", "d1"}
+    assert d.reuse_blocks == 0 and d.pull_from is None and not d.replicate
+    assert d.predicted_ttft_s > 0
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_no_instances_is_a_rejection_naming_the_role(name):
+    policy = make_policy(name)
+    r = policy.decide(request(), cluster([prefill("p0", available=False)]))
+    assert isinstance(r, Rejection) and r.reason == "no_prefill"
+    r = policy.decide(request(), ClusterView(0.0, (prefill("p0"),), (), None))
+    assert isinstance(r, Rejection) and r.reason == "no_decode"
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="mooncake"):
+        make_policy("fastest")
+
+
+def test_cold_cluster_cost_aware_policies_prefer_the_fast_instance():
+    """Per-instance models: an instance measured 2x slower loses when everything else is equal."""
+    slow = prefill("p0")
+    for _ in range(16):
+        n, p = random.Random(_).randint(1000, 30000), 0
+        slow.model.prefill.observe(n, p, 2 * PROFILE.prefill_s(n, p))
+    c = cluster([slow, prefill("p1")])
+    for name in ("cache_aware_local", "mooncake", "mooncaked"):
+        assert make_policy(name).decide(request(), c).prefill == "p1"
+
+
+def test_round_robin_cycles_and_random_spreads():
+    c = cluster([prefill(f"p{i}") for i in range(3)])
+    rr = make_policy("round_robin")
+    assert len({rr.decide(request(), c).prefill for _ in range(3)}) == 3
+    rnd = make_policy("random", seed=1)
+    assert len({rnd.decide(request(), c).prefill for _ in range(30)}) == 3
+
+
+def test_load_balance_ignores_the_cache():
+    c = cluster([prefill("p0", own=40, queued_s=1.0), prefill("p1", pool=40)], source="p0")
+    d = make_policy("load_balance").decide(request(), c)
+    assert d.prefill == "p1" and d.reuse_blocks == 0
+
+
+# -- hot prefix on a loaded instance ------------------------------------------------------------------
+def hot_spot(holder_queue_s: float) -> ClusterView:
+    return cluster([prefill("holder", own=40, queued_s=holder_queue_s), prefill("idle", pool=40),
+                    prefill("busy", pool=40, queued_s=30.0)], source="holder")
+
+
+@pytest.mark.parametrize("name", ["mooncake", "mooncaked"])
+def test_hot_prefix_on_loaded_holder_is_replicated_elsewhere(name):
+    """The holder is 20 s behind: pulling its 40 blocks to an idle instance wins, and they stay there."""
+    d = make_policy(name).decide(request(), hot_spot(20.0))
+    assert d.prefill == "idle"
+    assert d.reuse_blocks == 40 and d.local_blocks == 0
+    assert d.pull_from == "holder" and d.replicate
+    assert d.predicted_ttft_s < 20.0
+
+
+@pytest.mark.parametrize("name", ["cache_aware_local", "mooncake", "mooncaked"])
+def test_hot_prefix_on_idle_holder_stays_there(name):
+    d = make_policy(name).decide(request(), hot_spot(0.0))
+    assert d.prefill == "holder" and d.reuse_blocks == 40 and d.local_blocks == 40
+    assert d.pull_from is None and not d.replicate
+
+
+def test_local_cache_aware_cannot_pull_so_recomputes_off_a_loaded_holder():
+    d = make_policy("cache_aware_local").decide(request(), hot_spot(20.0))
+    assert d.prefill == "idle" and d.reuse_blocks == 0
+
+
+# -- remote prefix pulls: kvcache_balancing_threshold ----------------------------------------------------
+@pytest.mark.parametrize("best, pulls", [(12, False), (13, True), (40, True)])
+def test_mooncake_pulls_only_past_the_balancing_threshold(best, pulls):
+    """Own run 10 blocks; pull the pool's run only when it is longer than 1.25 x 10."""
+    c = cluster([prefill("p0", own=10, pool=best)], source="elsewhere")
+    d = make_policy("mooncake", kvcache_balancing_threshold=1.25).decide(request(), c)
+    assert d.reuse_blocks == (best if pulls else 10)
+    assert (d.pull_from == "elsewhere") == pulls and d.replicate == pulls
+
+
+def test_threshold_one_pulls_any_longer_prefix_and_below_one_is_refused():
+    c = cluster([prefill("p0", own=10, pool=11)], source="elsewhere")
+    assert make_policy("mooncake", kvcache_balancing_threshold=1.0).decide(request(), c).reuse_blocks == 11
+    with pytest.raises(ValueError):
+        make_policy("mooncake", kvcache_balancing_threshold=0.5)
+
+
+def test_mooncaked_pulls_by_predicted_time_not_ratio():
+    """Fast link: pull even 2 extra blocks. Link slower than recomputing: never pull, whatever the ratio."""
+    fast = cluster([prefill("p0", own=10, pool=12)], source="elsewhere")
+    assert make_policy("mooncaked").decide(request(), fast).reuse_blocks == 12
+    from dataclasses import replace
+    crawl = replace(PROFILE, remote_bps=1e8)  # 0.1 GB/s: a 160 MiB block takes 1.7 s, recomputing it ~0.1 s
+    slow = cluster([prefill("p0", own=10, pool=40, profile=crawl)], source="elsewhere")
+    assert make_policy("mooncaked").decide(request(), slow).reuse_blocks == 10
+    assert make_policy("mooncake").decide(request(), slow).reuse_blocks == 40  # the ratio rule pulls anyway
+
+
+# -- overloaded decode pool: prediction-based early rejection --------------------------------------------
+def heavy_batch(n: int, context: int = 40_000, remaining: int = 10_000) -> tuple[SeqLoad, ...]:
+    return tuple(SeqLoad(context, remaining) for _ in range(n))
+
+
+@pytest.mark.parametrize("name", ["mooncake", "mooncaked"])
+def test_overloaded_decode_pool_is_rejected_early(name):
+    """Every decode instance would step slower than the TBT SLO: reject before any prefill."""
+    c = cluster([prefill("p0")], [decode("d0", heavy_batch(30)), decode("d1", heavy_batch(30))])
+    slo = SLO(ttft_s=30.0, tbt_s=0.05)
+    r = make_policy(name, slo=slo).decide(request(), c)
+    assert isinstance(r, Rejection) and r.reason == "tbt_slo"
+
+
+@pytest.mark.parametrize("name", ["random", "round_robin", "load_balance", "cache_aware_local"])
+def test_baselines_do_not_reject_on_load(name):
+    c = cluster([prefill("p0")], [decode("d0", heavy_batch(30)), decode("d1", heavy_batch(30))])
+    assert isinstance(make_policy(name, slo=SLO(tbt_s=0.05)).decide(request(), c), Decision)
+
+
+def test_decode_choice_is_the_least_loaded_that_meets_the_slo():
+    c = cluster([prefill("p0")], [decode("d0", heavy_batch(20)), decode("d1", heavy_batch(5)), decode("d2", heavy_batch(30))])
+    d = make_policy("mooncake", slo=SLO(tbt_s=0.05)).decide(request(), c)
+    assert d.decode == "d1" and d.predicted_tbt_s <= 0.05
+
+
+def test_forecast_counts_only_sequences_still_running_when_the_request_arrives():
+    """The batch is heavy now but finishes within the request's prefill: accept (no load swing)."""
+    ending = heavy_batch(30, remaining=3)
+    c = cluster([prefill("p0")], [decode("d0", ending)])
+    slo = SLO(ttft_s=30.0, tbt_s=0.05)
+    req = request()
+    f_now = forecast_decode(c.decodes[0], req, 0.0, 0.0)
+    f_later = forecast_decode(c.decodes[0], req, 0.0, 5.0)
+    assert f_now.batch == 31 and f_now.tbt_s > slo.tbt_s
+    assert f_later.batch == 1 and f_later.tbt_s < slo.tbt_s
+    d = make_policy("mooncake", slo=slo).decide(req, c)
+    assert isinstance(d, Decision) and d.decode == "d0"
+
+
+def test_incoming_sequences_count_against_the_decode_instance():
+    """Sequences still prefilling toward d0 make it the busier one even though nothing runs there."""
+    incoming = tuple(SeqLoad(40_000, 500, joins_at_s=3.0) for _ in range(10))
+    c = cluster([prefill("p0")], [decode("d0", incoming), decode("d1", heavy_batch(2))])
+    assert make_policy("mooncake").decide(request(), c).decode == "d1"
+
+
+def test_no_kv_room_is_rejected_and_baselines_pick_the_roomiest():
+    full = decode("d0", heavy_batch(4, context=100_000), total_blocks=800)
+    c = cluster([prefill("p0")], [full])
+    r = make_policy("mooncake").decide(request(), c)
+    assert isinstance(r, Rejection) and r.reason == "kv_capacity"
+    c2 = cluster([prefill("p0")], [full, decode("d1", heavy_batch(10))])
+    assert make_policy("load_balance").decide(request(), c2).decode == "d1"
+
+
+def test_ttft_rejection_only_for_load_it_can_shed():
+    slo = SLO(ttft_s=10.0, tbt_s=0.1)
+    queued = cluster([prefill("p0", queued_s=60.0), prefill("p1", queued_s=50.0)])
+    r = make_policy("mooncake", slo=slo).decide(request(), queued)
+    assert isinstance(r, Rejection) and r.reason == "ttft_slo"
+    huge = request(blocks=300)  # ~150k tokens: over 10 s even on an idle cluster
+    assert isinstance(make_policy("mooncake", slo=slo).decide(huge, cluster([prefill("p0")])), Decision)
+
+
+# -- the fitted step-time models ------------------------------------------------------------------------
+def test_prefill_model_recovers_a_known_polynomial_from_a_wrong_prior():
+    true = (0.03, 0.2, 0.004, 0.0015)
+    m = PrefillTimeModel(prior=(1.0, 0.0, 0.0, 0.0), window=256)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, p = int(rng.integers(100, 60_000)), int(rng.integers(0, 60_000))
+        m.observe(n, p, sum(c * f for c, f in zip(true, PrefillTimeModel.features(n, p))))
+    m.refit()
+    np.testing.assert_allclose(m.coef, true, rtol=2e-2, atol=1e-4)
+    assert m.predict(8000, 4000) == pytest.approx(sum(c * f for c, f in zip(true, PrefillTimeModel.features(8000, 4000))),
+                                                  rel=1e-3)
+
+
+def test_prefill_model_follows_a_sliding_window():
+    """The instance got 2x slower: once the window has only new samples, so has the model."""
+    m = PrefillTimeModel(prior=PROFILE.prefill_coef, window=64)
+    rng = np.random.default_rng(1)
+    for speed in (1.0, 0.5):
+        for _ in range(64):
+            n, p = int(rng.integers(500, 40_000)), int(rng.integers(0, 40_000))
+            m.observe(n, p, PROFILE.prefill_s(n, p) / speed)
+    assert m.predict(10_000, 5_000) == pytest.approx(2 * PROFILE.prefill_s(10_000, 5_000), rel=1e-2)
+
+
+def test_model_keeps_the_prior_where_the_data_says_nothing_and_never_goes_negative():
+    """Only prefix-free samples: the n*p term stays at its prior; noisy data cannot fit a negative cost."""
+    m = PrefillTimeModel(prior=PROFILE.prefill_coef)
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        n = int(rng.integers(100, 30_000))
+        m.observe(n, 0, PROFILE.prefill_s(n, 0) * float(np.exp(rng.normal(0, 0.3))))
+    m.refit()
+    assert m.coef[2] == pytest.approx(PROFILE.prefill_coef[2], rel=1e-3)
+    assert all(c >= 0 for c in m.coef)
+    assert m.predict(100_000, 100_000) > m.predict(100_000, 0) > 0
+
+
+def test_decode_model_recovers_a_known_line():
+    true = (0.02, 0.0005, 0.00004)
+    m = DecodeTimeModel(prior=(0.0, 0.0, 0.0))
+    for b in range(1, 64, 3):
+        for ctx in (1_000, 50_000, 400_000):
+            m.observe(b, ctx * b, sum(c * f for c, f in zip(true, DecodeTimeModel.features(b, ctx * b))))
+    m.refit()
+    np.testing.assert_allclose(m.coef, true, rtol=1e-2, atol=1e-6)
+
+
+def test_backlog_counts_waiting_work_and_the_running_remainder():
+    b = PrefillBacklog()
+    b.add("a", 4.0, 1000)
+    b.add("b", 2.0, 500)
+    assert b.seconds(0.0) == pytest.approx(6.0) and b.waiting_tokens == 1500
+    b.start("a", now_s=10.0)
+    assert b.seconds(11.0) == pytest.approx(3.0 + 2.0) and b.waiting_tokens == 500
+    b.finish("a")
+    b.finish("b")  # finished without being seen to start
+    assert b.seconds(12.0) == 0.0 and b.waiting_tokens == 0
+
+
+# -- the prefix index --------------------------------------------------------------------------------
+def test_index_own_runs_pool_run_and_slow_media():
+    idx = PrefixIndex()
+    idx.stored("p0", [1, 2, 3], "dram")
+    idx.stored("p1", [1, 2], "hbm")
+    idx.stored("store:a", [3, 4, 5], "lmdb")
+    look = idx.lookup([1, 2, 3, 4, 5, 6])
+    assert look.holders == {"p0": 3, "p1": 2}
+    assert look.pool_blocks == 5 and look.pool_slow == 2  # blocks 4, 5 only on disk
+    assert look.pool_source == "p0"
+    assert idx.match([1, 2, 3]) == {"p0": 3, "p1": 2}
+    idx.stored("p1", [3], "lmdb")
+    look = idx.lookup([1, 2, 3])
+    assert look.holders["p1"] == 3 and look.holder_slow["p1"] == 1
+
+
+def test_index_lookup_stops_at_the_first_block_nobody_holds():
+    """O(prompt blocks) at most, and in fact O(matched blocks): a 1000-block prompt with a miss at 5 reads 6."""
+    class Counting(OrderedDict):
+        gets = 0
+
+        def get(self, key, default=None):
+            type(self).gets += 1
+            return super().get(key, default)
+
+    idx = PrefixIndex()
+    idx.stored("p0", list(range(10)), "dram")
+    idx._holders = Counting(idx._holders)
+    look = idx.lookup(list(range(5)) + [999] + list(range(5, 1000)))
+    assert look.pool_blocks == 5 and Counting.gets == 6
+
+
+def test_index_memory_is_bounded_and_hits_keep_a_prefix():
+    idx = PrefixIndex(max_entries=4)
+    idx.stored("p0", [1, 2], "dram")
+    idx.stored("p0", [3, 4], "dram")
+    idx.lookup([1, 2])          # a hit refreshes 1 and 2
+    idx.stored("p0", [5, 6], "dram")
+    assert len(idx) == 4
+    assert idx.match([1, 2]) == {"p0": 2}
+    assert idx.match([3]) == {}
+
+
+def test_index_drop_instance_and_removed():
+    idx = PrefixIndex()
+    idx.stored("p0", [1, 2], "dram")
+    idx.stored("p1", [1], "dram")
+    idx.removed("p0", [2])
+    assert idx.lookup([1, 2]).pool_blocks == 1
+    idx.drop_instance("p1")
+    assert idx.match([1]) == {"p0": 1}
+    idx.drop_instance("p0")
+    assert len(idx) == 0
+
+
+# -- the live adapter --------------------------------------------------------------------------------
+def live_registry(n_prefill: int = 2, n_decode: int = 2):
+    from mooncaked.conductor.registry import Instance, Registry
+    from mooncaked.engine.kv_cache import KVLayout
+    from mooncaked.proto.mooncake.v1 import common_pb2
+
+    layout = KVLayout(num_layers=2, num_blocks=100, block_size=4, num_kv_heads=1, head_dim=8, dtype="float32",
+                      element_size=4)
+    reg = Registry(heartbeat_timeout_s=10.0)
+    for role, n in (("prefill", n_prefill), ("decode", n_decode)):
+        for i in range(n):
+            inst = Instance(f"{role[0]}{i}", role, "127.0.0.1:1", "m", layout, common_pb2.TransferEndpoint())
+            inst.load = common_pb2.InstanceLoad(free_kv_blocks=100, total_kv_blocks=100)
+            reg.instances[inst.name] = inst
+    return reg
+
+
+def test_live_pick_without_state_keeps_the_cache_aware_default():
+    from mooncaked.conductor.router import pick
+
+    reg = live_registry()
+    idx = PrefixIndex()
+    idx.stored("p1", [11, 12, 13], "dram")
+    route = pick(reg, idx, [11, 12, 13], 14)
+    assert route.prefill.name == "p1" and route.cached_blocks == 3 and route.decision is not None
+    reg.find("d0").load.running_requests = 3
+    assert pick(reg, idx, [11, 12, 13], 14).decode.name == "d1"
+    assert pick(reg, idx, [11, 12, 13], 14, {"p1"}).prefill.name == "p0"
+
+
+def test_live_pick_with_state_routes_books_and_rejects():
+    from mooncaked.conductor.router import NoInstanceError, RejectedError, SchedulerState, pick
+
+    reg = live_registry()
+    idx = PrefixIndex()
+    state = SchedulerState(make_policy("mooncake", slo=SLO(ttft_s=5.0, tbt_s=0.1)), clock=lambda: 100.0)
+    route = pick(reg, idx, [1, 2], 10, state=state, max_tokens=4, request_id="r1")
+    state.routed("r1", route, 10, 4)
+    assert state.backlog(route.prefill.name).waiting_tokens == 10
+    assert state.seqs["r1"].decode == route.decode.name
+    state.tokens("r1", 2)
+    assert state.seqs["r1"].remaining == 1
+    state.prefill_done("r1", route.prefill.name, uncached=10, prefix=0, compute_s=0.01)
+    state.finished("r1")
+    assert not state.seqs and state.backlog(route.prefill.name).seconds(100.0) == 0.0
+    for p in ("p0", "p1"):  # both prefill instances 60 s behind: over the 5 s TTFT SLO
+        state.backlog(p).add(f"q-{p}", 60.0, 1000)
+    with pytest.raises(RejectedError) as e:
+        pick(reg, idx, [1, 2], 10, state=state, max_tokens=4)
+    assert e.value.reason == "ttft_slo"
+    with pytest.raises(NoInstanceError, match="prefill"):
+        pick(reg, idx, [1, 2], 10, {"p0", "p1"}, state=state)

@@ -1,0 +1,153 @@
+"""The event loop: arrivals and prefill completions in time order, routed by a conductor policy.
+
+At each arrival the simulation builds the same views the live conductor builds (prefix
+hits from the shared ``PrefixIndex``, predicted queues from each instance's
+``PrefillBacklog``, decode batches, each instance's fitted model) and calls
+``policy.decide``; it then does what the conductor would: enqueue on P, announce the
+sequence to D, or count the rejection.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from mooncaked.conductor.cost_model import Profile
+from mooncaked.conductor.early_rejection import SLO
+from mooncaked.conductor.policies import Policy
+from mooncaked.conductor.prefix_index import PrefixIndex
+from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
+
+from .instances import Job, Seq, SimDecode, SimPrefill
+from .metrics import Outcome, PolicyResult, summarize
+from .trace import TraceRequest
+
+log = logging.getLogger(__name__)
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash 512-token blocks
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 16
+    decode: int = 16
+    profile: Profile | None = None
+    slo: SLO = SLO()
+    seed: int = 0
+    noise: float = 0.05        # log-normal jitter of prefill times (sigma)
+    heterogeneity: float = 0.1  # instance speeds drawn from [1 - h, 1 + h]
+    cache_blocks: int | None = None        # per prefill instance; None: the profile's
+    kv_capacity_tokens: int | None = None  # per decode instance; None: the profile's
+
+
+class Simulation:
+    def __init__(self, trace: list[TraceRequest], cfg: SimConfig, policy: Policy) -> None:
+        if cfg.prefill < 1 or cfg.decode < 1:
+            raise ValueError("need at least one prefill and one decode instance")
+        if cfg.profile is None:
+            raise ValueError("SimConfig.profile is required")
+        if cfg.profile.block_size != TRACE_BLOCK_TOKENS:
+            raise ValueError(f"traces hash {TRACE_BLOCK_TOKENS}-token blocks; profile {cfg.profile.name!r} has "
+                             f"block_size {cfg.profile.block_size} (give block_bytes per {TRACE_BLOCK_TOKENS} tokens)")
+        self.trace = trace
+        self.cfg = cfg
+        self.policy = policy
+        self.profile = prof = cfg.profile
+        rng = random.Random(cfg.seed)  # the same cluster (speeds, jitter) for every policy
+        h = cfg.heterogeneity
+        self.index = PrefixIndex(max_entries=4_000_000)
+        self.prefills = [SimPrefill(f"prefill-{i}", prof, prof.instance_model(), self.index,
+                                    rng.uniform(1 - h, 1 + h), cfg.cache_blocks or prof.cache_blocks, cfg.noise,
+                                    random.Random(rng.random())) for i in range(cfg.prefill)]
+        self.decodes = [SimDecode(f"decode-{i}", prof, prof.instance_model(), rng.uniform(1 - h, 1 + h),
+                                  cfg.kv_capacity_tokens or prof.kv_capacity_tokens, cfg.slo.tbt_s, self._finished)
+                        for i in range(cfg.decode)]
+        self._p = {p.name: p for p in self.prefills}
+        self._d = {d.name: d for d in self.decodes}
+        self.outcomes = [Outcome(r.arrival_s, r.input_length, r.output_length) for r in trace]
+        self._by_index = {r.index: i for i, r in enumerate(trace)}
+
+    # -- views --------------------------------------------------------------------------------
+    def _cluster(self, now: float, req: TraceRequest) -> ClusterView:
+        look = self.index.lookup(list(req.hash_ids))
+        prefills = tuple(
+            InstanceView(p.name, "prefill", p.model, own_blocks=look.holders.get(p.name, 0),
+                         own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
+                         pool_slow_blocks=look.pool_slow, queued_tokens=p.backlog.waiting_tokens,
+                         queued_s=p.backlog.seconds(now))
+            for p in self.prefills)
+        bs = self.profile.block_size
+        decodes = []
+        for d in self.decodes:
+            d.advance(now)
+            cap = d.capacity_tokens // bs
+            decodes.append(InstanceView(d.name, "decode", d.model, batch=d.loads(),
+                                        free_kv_blocks=max(0, cap - d.reserved // bs), total_kv_blocks=cap))
+        return ClusterView(now, prefills, tuple(decodes), look.pool_source)
+
+    # -- events -------------------------------------------------------------------------------
+    def run(self) -> PolicyResult:
+        t0 = time.perf_counter()
+        events: list[tuple[float, int, str]] = []  # (time, tiebreak, prefill name)
+        seq = 0
+        i = 0
+        trace = self.trace
+        while i < len(trace) or events:
+            if events and (i >= len(trace) or events[0][0] <= trace[i].arrival_s):
+                now, _, name = heapq.heappop(events)
+                nxt = self._prefill_done(self._p[name], now)
+            else:
+                req = trace[i]
+                i += 1
+                now = req.arrival_s
+                name, nxt = self._arrive(req, now)
+            if nxt is not None:
+                seq += 1
+                heapq.heappush(events, (nxt, seq, name))
+        for d in self.decodes:
+            d.advance(float("inf"))
+        return summarize(self.policy.name, self.outcomes, self.cfg.slo, time.perf_counter() - t0)
+
+    def _arrive(self, req: TraceRequest, now: float) -> tuple[str, float | None]:
+        view = RequestView(req.input_length, req.hash_ids, self.profile.block_size,
+                           max(req.output_length, 1), req.arrival_s, str(req.index))
+        decision = self.policy.decide(view, self._cluster(now, req))
+        out = self.outcomes[self._by_index[req.index]]
+        if not isinstance(decision, Decision):
+            out.rejected = decision.reason
+            return "", None
+        out.prefill, out.decode = decision.prefill, decision.decode
+        if req.output_length > 1:
+            self._d[decision.decode].incoming[req.index] = SeqLoad(req.input_length + 1, req.output_length - 1,
+                                                                   now + decision.predicted_ttft_s)
+        p = self._p[decision.prefill]
+        return p.name, p.enqueue(Job(req, decision, now), now)
+
+    def _prefill_done(self, p: SimPrefill, now: float) -> float | None:
+        job = p.complete(now)
+        req = job.req
+        out = self.outcomes[self._by_index[req.index]]
+        out.computed_tokens = job.computed_tokens
+        out.reused_tokens = req.input_length - job.computed_tokens
+        out.pulled_blocks = job.pulled_blocks
+        out.wait_s = job.started_s - job.routed_s
+        if req.output_length <= 1:
+            out.ttft_s = now - req.arrival_s
+            out.finished_s = now
+        else:
+            d = self._d[job.decision.decode]
+            s = Seq(req.index, req.input_length + 1, req.output_length - 1, req.input_length + req.output_length, now)
+            if d.admit(s, now):
+                out.ttft_s = now - req.arrival_s
+            else:
+                out.dropped = True
+        return p.start_next(now)
+
+    def _finished(self, s: Seq, now: float) -> None:
+        out = self.outcomes[self._by_index[s.rid]]
+        out.finished_s = now
+        out.decode_tokens = s.tokens
+        out.slow_gaps = s.slow_gaps

@@ -1,0 +1,131 @@
+"""Replay a Mooncake-format trace through the conductor's scheduling policies, in simulation.
+
+N prefill and M decode instances are simulated (discrete events) with step times from a
+profile: a built-in model of a bigger GPU (``a800-llama2-70b``: 8x A800 per instance, a
+LLaMA2-70B-like model, so the numbers compare with the paper's) or a JSON profile measured
+on a real engine (see ``Profile.from_json``). The policies, prefix index and cost models
+are the live conductor's own code. Each policy replays the whole trace on the same cluster
+(same instance speeds and jitter); a table of policy x (TTFT mean/p90, TBT SLO attainment,
+SLO attainment, goodput, early rejections, late drops, prefill tokens computed / wasted /
+reused) is printed.
+
+    python tools/simulate.py --trace ../shared/data/synthetic_trace.jsonl --prefill 16 --decode 16
+    python tools/simulate.py --quick --json -            # one JSON object on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from mooncaked.conductor.cost_model import PROFILES, Profile  # noqa: E402
+from mooncaked.conductor.early_rejection import SLO  # noqa: E402
+from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES, make_policy  # noqa: E402
+from sim.engine import SimConfig, Simulation  # noqa: E402
+from sim.metrics import PolicyResult, average, format_table  # noqa: E402
+from sim.trace import load_trace  # noqa: E402
+
+log = logging.getLogger("simulate")
+
+DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
+QUICK_REQUESTS = 1000
+
+
+def load_profile(spec: str) -> Profile:
+    if spec in PROFILES:
+        return PROFILES[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise SystemExit(f"--profile: {spec!r} is neither a built-in profile ({', '.join(PROFILES)}) nor a file")
+    return Profile.from_json(path)
+
+
+def run(args: argparse.Namespace) -> list[PolicyResult]:
+    trace = load_trace(args.trace, args.max_requests, args.time_scale)
+    if not trace:
+        raise SystemExit(f"{args.trace}: no requests")
+    slo = SLO(args.ttft_slo, args.tbt_slo)
+    cfg = SimConfig(prefill=args.prefill, decode=args.decode, profile=load_profile(args.profile), slo=slo,
+                    seed=args.seed, noise=args.noise, heterogeneity=args.heterogeneity,
+                    cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens)
+    log.info("%d requests over %.0f s; %d prefill + %d decode instances, profile %s", len(trace),
+             trace[-1].arrival_s - trace[0].arrival_s, args.prefill, args.decode, cfg.profile.name)
+    results = []
+    for name in args.policy:
+        runs = []
+        for seed in range(args.seed, args.seed + args.seeds):
+            policy = make_policy(name, slo=slo, seed=seed, kvcache_balancing_threshold=args.threshold)
+            runs.append(Simulation(trace, dataclasses.replace(cfg, seed=seed), policy).run())
+            log.info("%s (seed %d): mean TTFT %.2f s, %.1f s of wall time", name, seed, runs[-1].mean_ttft_s,
+                     runs[-1].wall_s)
+        results.append(average(runs))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
+    ap.add_argument("--prefill", type=int, default=16, help="prefill instances")
+    ap.add_argument("--decode", type=int, default=16, help="decode instances")
+    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, metavar="NAME",
+                    help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)})")
+    ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
+    ap.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
+    ap.add_argument("--tbt-slo", type=float, default=SLO().tbt_s, help="seconds")
+    ap.add_argument("--threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD,
+                    help="kvcache_balancing_threshold of the mooncake policy")
+    ap.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
+    ap.add_argument("--cache-blocks", type=int, default=None, help="prefix cache per prefill instance, in blocks")
+    ap.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV room per decode instance")
+    ap.add_argument("--noise", type=float, default=0.05, help="log-normal jitter of prefill times (sigma)")
+    ap.add_argument("--heterogeneity", type=float, default=0.1, help="instance speeds in [1-h, 1+h]")
+    ap.add_argument("--seed", type=int, default=0, help="seed of instance speeds, jitter and random choices")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="average each policy over this many seeds (runs are chaotic under load)")
+    ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests only (< 1 min)")
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT ('-': stdout, no table)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        ap.error("--prefill and --decode must be at least 1")
+    if args.seeds < 1:
+        ap.error("--seeds must be at least 1")
+    if args.quick and args.max_requests is None:
+        args.max_requests = QUICK_REQUESTS
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        results = run(args)
+    except (OSError, ValueError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    report = {
+        "config": {"trace": str(args.trace), "prefill": args.prefill, "decode": args.decode, "profile": args.profile,
+                   "requests": results[0].requests, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo,
+                   "kvcache_balancing_threshold": args.threshold, "time_scale": args.time_scale, "seed": args.seed,
+                   "seeds": args.seeds},
+        "policies": {r.policy: r.as_json() for r in results},
+    }
+    if args.json == "-":
+        print(json.dumps(report))
+        return 0
+    print(f"{results[0].requests} requests, {args.prefill} prefill + {args.decode} decode instances, "
+          f"profile {args.profile}, SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1e3:g} ms"
+          + (f", mean of {args.seeds} seeds" if args.seeds > 1 else ""))
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
