@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "MOONCAKED_"
+POLICIES = ("random", "round_robin", "load_balance", "cache_aware_local", "mooncake", "mooncaked")
 ROLES: tuple[str, ...] = ("conductor", "prefill", "decode", "store", "all")
 TRANSFER_BACKENDS: tuple[str, ...] = ("tcp", "shm", "auto", "rdma")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
@@ -375,7 +376,15 @@ class ConductorConfig(RoleConfig):
     role: str = _setting("conductor", _choice(ROLES), "the role this process plays", "ROLE")
     http: HostPort = _setting(HostPort("127.0.0.1", 8000), _address(listening=True),
                               "HOST:PORT of the OpenAI-compatible HTTP server", "HOST:PORT")
-    policy: str = _setting("cache_aware", _str, "scheduling policy", "NAME")
+    policy: str = _setting("mooncake", _choice(POLICIES),
+                           "scheduling policy: " + ", ".join(POLICIES), "NAME")
+    ttft_slo_s: float = _setting(30.0, _at_least(_float, 0, strict=True),
+                                 "time-to-first-token SLO; requests predicted to miss it are rejected early", "S")
+    tbt_slo_s: float = _setting(0.1, _at_least(_float, 0, strict=True),
+                                "time-between-tokens SLO for decode placement and early rejection", "S")
+    kvcache_balancing_threshold: float = _setting(1.25, _at_least(_float, 0, strict=True),
+                                                  "pull a remote prefix only when it beats recomputing by this "
+                                                  "factor", "F")
     api_key: str | None = _setting(None, _optional(_str), "bearer token the HTTP API requires (default: none)",
                                    "KEY", secret=True)  # kept out of repr, hence out of logs
 

@@ -48,7 +48,7 @@ def test_defaults_per_role():
     assert isinstance(_load(["--role", "decode"]), DecodeConfig)
     assert isinstance(_load(["--role", "store"]), StoreConfig)
     conductor = _load(["--role", "conductor"])
-    assert isinstance(conductor, ConductorConfig) and conductor.policy == "cache_aware" and conductor.api_key is None
+    assert isinstance(conductor, ConductorConfig) and conductor.policy == "mooncake" and conductor.api_key is None
     everything = _load(["--role", "all"])
     assert isinstance(everything, ConductorConfig) and isinstance(everything, WorkerConfig)
     with pytest.raises(dataclasses.FrozenInstanceError):

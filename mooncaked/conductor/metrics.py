@@ -123,9 +123,10 @@ class CountingContext:
         self._timer = timer
         self.aborted = False
 
-    async def abort(self, code: Any, details: str = "") -> None:
+    async def abort(self, code: Any, details: str = "", reason: str | None = None) -> None:
+        """``reason`` names a finer cause than the status (e.g. ``ttft_slo`` for early rejection)."""
         if not self.aborted and self._timer.first_at is None:
-            rejected(getattr(code, "name", str(code)).lower())
+            rejected(reason or getattr(code, "name", str(code)).lower())
         self.aborted = True
         await self._inner.abort(code, details)
 

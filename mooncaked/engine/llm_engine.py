@@ -53,6 +53,17 @@ class EngineStats:
     steps: int
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step's measured time and shape (what a scheduler fits its time models on)."""
+
+    prefill_tokens: int  # new tokens of prefilling sequences
+    prefix_tokens: int  # tokens those sequences already had in the cache
+    decodes: int  # sequences decoding one token
+    decode_context: int  # tokens in the cache across the decoding sequences
+    seconds: float
+
+
 @dataclass
 class _Request:
     seq: Sequence
@@ -114,6 +125,7 @@ class Engine:
         # called on the engine thread after each layer wrote its KV for the step's tokens
         self.layer_hook: StepHook | None = None
         self._held: dict[str, Sequence] = {}
+        self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._requests: dict[str, _Request] = {}
         self._inbox: collections.deque[_Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
@@ -302,9 +314,22 @@ class Engine:
             hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
         result = self.runner.run(plan.scheduled, hook)
         self._steps += 1
+        self._record(plan.scheduled, result.seconds)
         for s in plan.scheduled:
             self._apply(s, result.tokens.get(s.seq.request_id), result.logprobs.get(s.seq.request_id), outputs)
         return outputs
+
+    def _record(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
+        prefill = prefix = decodes = context = 0
+        for s in scheduled:
+            s.seq.compute_s += seconds
+            if s.num_new_tokens == 1 and s.seq.output_token_ids:
+                decodes += 1
+                context += s.seq.num_computed_tokens + 1
+            else:
+                prefill += s.num_new_tokens
+                prefix += s.seq.num_computed_tokens
+        self.step_log.append(StepRecord(prefill, prefix, decodes, context, seconds))
 
     def _apply(self, s: ScheduledSeq, token: int | None, logprob: float | None, outputs: list[Output]) -> None:
         seq = s.seq
@@ -347,6 +372,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            compute_s=seq.compute_s,
             new_token_ids=new_ids,
             new_text=req.detok.take_delta(final=seq.finished),
         )

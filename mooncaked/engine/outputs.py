@@ -16,6 +16,7 @@ class Output:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logprobs: list[float] | None = None
+    compute_s: float = 0.0  # engine step time of the steps this request took part in
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
 

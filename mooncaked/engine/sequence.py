@@ -43,6 +43,7 @@ class Sequence:
     imported_tokens: int = 0
     # keep the blocks after finishing until the owner releases them (a prefill still pushing KV)
     hold_blocks: bool = False
+    compute_s: float = 0.0  # engine step time of the steps it took part in
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignored, stop_token_ids)
     user_data: Any = None
     arrival: int = field(default_factory=lambda: next(_counter))

@@ -16,7 +16,9 @@ import grpc
 from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.registry import DEAD, Instance, Registry
-from mooncaked.conductor.router import NoInstanceError, pick
+from mooncaked.conductor.policies import make_policy
+from mooncaked.conductor.early_rejection import SLO
+from mooncaked.conductor.router import NoInstanceError, RejectedError, SchedulerState, pick
 from mooncaked.engine import RequestError
 from mooncaked.engine.config import ModelConfig
 from mooncaked.engine.tokenizer import Tokenizer
@@ -38,7 +40,8 @@ _ROLE_ENUMS = {v: k for k, v in _ROLE_NAMES.items()}
 
 class ConductorService(conductor_pb2_grpc.ConductorServicer):
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, model_id: str, block_size: int,
-                 hash_seed: int, heartbeat_interval_s: float, heartbeat_timeout_s: float) -> None:
+                 hash_seed: int, heartbeat_interval_s: float, heartbeat_timeout_s: float,
+                 scheduler: SchedulerState | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.model_id = model_id
@@ -47,6 +50,8 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.registry = Registry(heartbeat_timeout_s)
         self.index = PrefixIndex()
+        # the routing policy and its online time models (fed by heartbeats and Prefill replies)
+        self.scheduler = scheduler or SchedulerState(make_policy("mooncake"))
         self.started = time.monotonic()
 
     # -- membership -----------------------------------------------------------------------
@@ -66,6 +71,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                                 f"{request.name} serves model {request.model_id!r}; this conductor serves "
                                 f"{self.model_id!r}")
         self.index.drop_instance(request.name)  # a (re)started instance reports its cache afresh
+        self.scheduler.forget(request.name)
         self.registry.register(Instance(request.name, role, request.address, request.model_id, layout,
                                         request.transfer))
         return conductor_pb2.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s)
@@ -74,6 +80,8 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         inst = self.registry.heartbeat(request.name, request.load, request.state)
         if inst is None:
             return conductor_pb2.HeartbeatReply(known=False)
+        for sample in request.decode_samples:
+            self.scheduler.observe_decode(request.name, sample.batch, sample.context_tokens, sample.seconds)
         for e in request.events:
             holder = e.instance or request.name  # blocks written to the pool name the pool as holder
             if e.kind == common_pb2.KVEvent.KIND_STORED:
@@ -85,6 +93,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
     async def Deregister(self, request, context):
         inst = self.registry.remove(request.name)
         self.index.drop_instance(request.name)
+        self.scheduler.forget(request.name)
         return conductor_pb2.DeregisterReply(known=inst is not None)
 
     async def SetDrain(self, request, context):
@@ -191,6 +200,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                         out.decode_instance = route_d.name
                         first = False
                     timer.chunk(len(chunk.token_ids), out.prompt_tokens, out.num_cached_tokens)
+                    self.scheduler.tokens(rid, len(chunk.token_ids))
                     yield out
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -199,6 +209,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                                     f"decode instance {route_d.name} failed mid-stream: {e.details()}")
             finally:
                 route_d.inflight -= 1
+                self.scheduler.finished(rid)
                 call.cancel()  # a client that went away cancels the decode stream, which frees D's blocks
             outcome = "ok"
         except (asyncio.CancelledError, GeneratorExit):
@@ -216,7 +227,13 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         sampling = sampling_to_proto(params)
         for _ in range(MAX_ATTEMPTS):
             try:
-                route = pick(self.registry, self.index, hashes, len(ids), tried)
+                route = pick(self.registry, self.index, hashes, len(ids), tried, state=self.scheduler,
+                             max_tokens=params.max_tokens, request_id=rid)
+            except RejectedError as e:
+                # prediction-based early rejection: refuse before any prefill is spent
+                await self._release(decode, rid, reserved)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"rejected early ({e.reason}): {e}",
+                                    reason=e.reason)
             except NoInstanceError as e:
                 break_msg = f"{e}" + (f" (after failures: {last_error})" if last_error else "")
                 await self._release(decode, rid, reserved)
@@ -236,12 +253,19 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                     continue
             prefill = route.prefill
             prefill.inflight += 1
+            self.scheduler.routed(rid, route, len(ids), params.max_tokens)
+            done = False
             try:
                 reply = await prefill.stub.Prefill(
                     engine_pb2.PrefillRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
                                               decode_endpoint=reserved.endpoint,
                                               decode_block_ids=reserved.block_ids, decode_layout=reserved.layout),
                     timeout=PREFILL_TIMEOUT_S)
+                done = True
+                self.scheduler.prefill_done(rid, prefill.name, reply.num_computed_tokens, reply.num_cached_tokens,
+                                            reply.compute_s or None)
+                if reply.push_bytes and reply.push_s > 0:
+                    self.scheduler.observe_transfer(prefill.name, "remote", reply.push_bytes, reply.push_s)
                 return prefill, decode, reply
             except asyncio.CancelledError:
                 await self._release(decode, rid, reserved)
@@ -265,6 +289,9 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                 tried.add(prefill.name)
             finally:
                 prefill.inflight -= 1
+                if not done:
+                    self.scheduler.prefill_done(rid, prefill.name)
+        self.scheduler.finished(rid)
         await self._release(decode, rid, reserved)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"gave up after {MAX_ATTEMPTS} attempts: {last_error}")
 
@@ -291,8 +318,10 @@ async def run_conductor_role(cfg) -> int:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     model_config, _ = read_model_config(model_dir)
+    policy = make_policy(cfg.policy, slo=SLO(cfg.ttft_slo_s, cfg.tbt_slo_s),
+                         kvcache_balancing_threshold=cfg.kvcache_balancing_threshold)
     service = ConductorService(Tokenizer(model_dir), model_config, model_dir.name, cfg.block_size, cfg.hash_seed,
-                               cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
+                               cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, SchedulerState(policy))
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Conductor"])
     conductor_pb2_grpc.add_ConductorServicer_to_server(service, server.server)
     port = await server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from pathlib import Path
@@ -64,8 +65,10 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
             if stored:
                 events.append(common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=stored,
                                                  medium="pool", instance=POOL_HOLDER))
+        samples = [conductor_pb2.DecodeSample(batch=r.decodes, context_tokens=r.decode_context, seconds=r.seconds)
+                   for r in _drain(engine.step_log) if r.decodes and not r.prefill_tokens]
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
-                                              events=events)
+                                              events=events, decode_samples=samples[-64:])
 
     membership = Membership(str(cfg.conductor), register, heartbeat, cfg.heartbeat_interval_s)
     tasks = [spawn(membership.run(), "membership"), spawn(service.expire_reservations(), "reservations")]
@@ -113,3 +116,10 @@ async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
                 log.error("store master %s unreachable (%s); serving without the KV pool", cfg.store, e)
             await asyncio.sleep(1.0)
     return None
+
+
+def _drain(log_: "collections.deque") -> list:
+    out = []
+    while log_:
+        out.append(log_.popleft())
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from mooncaked.engine.kv_cache import KVLayout
@@ -49,7 +50,9 @@ class KVPush:
     pushed: list[int] = field(default_factory=list)  # per layer: tokens pushed so far
     tasks: list[asyncio.Future] = field(default_factory=list)
     bytes_sent: int = 0
-    block_table: list[int] = field(default_factory=list)  # the prefill's blocks for the request, last seen
+    block_table: list[int] = field(default_factory=list)
+    started: float | None = None  # perf_counter of the first push
+    seconds: float = 0.0  # first push to last byte acknowledged  # the prefill's blocks for the request, last seen
 
     def __post_init__(self) -> None:
         self.pushed = [0] * self.local.num_layers
@@ -75,6 +78,8 @@ class KVPush:
         self.loop.call_soon_threadsafe(self._submit, ops)
 
     def _submit(self, ops: list[TransferOp]) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
         self.tasks.append(asyncio.ensure_future(self.transfer.submit(ops)))
 
     async def wait(self, timeout_s: float) -> None:
@@ -83,6 +88,8 @@ class KVPush:
         await asyncio.sleep(0)
         try:
             await asyncio.wait_for(asyncio.gather(*self.tasks), timeout_s)
+            if self.started is not None:
+                self.seconds = time.perf_counter() - self.started
         finally:
             for t in self.tasks:
                 if not t.done():

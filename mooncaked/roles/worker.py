@@ -202,6 +202,7 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 num_cached_tokens=out.num_cached_tokens,
                 num_computed_tokens=len(prompt) - out.num_cached_tokens,
                 finished=finished, finish_reason=(out.finish_reason or "") if finished else "",
+                compute_s=out.compute_s, push_bytes=push.bytes_sent, push_s=push.seconds,
             )
         finally:
             self.pushes.pop(rid, None)

@@ -44,20 +44,26 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason")
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     num_cached_tokens: int
     num_computed_tokens: int
     finished: bool
     finish_reason: str
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    compute_s: float
+    push_bytes: int
+    push_s: float
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob")
