@@ -378,10 +378,12 @@ class ConductorConfig(RoleConfig):
                               "HOST:PORT of the OpenAI-compatible HTTP server", "HOST:PORT")
     policy: str = _setting("mooncake", _choice(POLICIES),
                            "scheduling policy: " + ", ".join(POLICIES), "NAME")
-    ttft_slo_s: float = _setting(30.0, _at_least(_float, 0, strict=True),
-                                 "time-to-first-token SLO; requests predicted to miss it are rejected early", "S")
-    tbt_slo_s: float = _setting(0.1, _at_least(_float, 0, strict=True),
-                                "time-between-tokens SLO for decode placement and early rejection", "S")
+    ttft_slo_s: float | None = _setting(None, _optional(_at_least(_float, 0, strict=True)),
+                                        "time-to-first-token SLO; with an SLO set, requests predicted to miss "
+                                        "it because of load are rejected early (default: none)", "S")
+    tbt_slo_s: float | None = _setting(None, _optional(_at_least(_float, 0, strict=True)),
+                                       "time-between-tokens SLO for decode placement and early rejection "
+                                       "(default: none)", "S")
     kvcache_balancing_threshold: float = _setting(1.25, _at_least(_float, 0, strict=True),
                                                   "pull a remote prefix only when it beats recomputing by this "
                                                   "factor", "F")

@@ -200,8 +200,10 @@ def test_incoming_sequences_count_against_the_decode_instance():
 def test_no_kv_room_is_rejected_and_baselines_pick_the_roomiest():
     full = decode("d0", heavy_batch(4, context=100_000), total_blocks=800)
     c = cluster([prefill("p0")], [full])
-    r = make_policy("mooncake").decide(request(), c)
+    r = make_policy("mooncake", slo=SLO()).decide(request(), c)
     assert isinstance(r, Rejection) and r.reason == "kv_capacity"
+    # early rejection is opt-in: without an SLO the request goes to the least loaded decode anyway
+    assert isinstance(make_policy("mooncake").decide(request(), c), Decision)
     c2 = cluster([prefill("p0")], [full, decode("d1", heavy_batch(10))])
     assert make_policy("load_balance").decide(request(), c2).decode == "d1"
 

@@ -81,6 +81,7 @@ class Policy(ABC):
         if kvcache_balancing_threshold < 1.0:
             raise ValueError("kvcache_balancing_threshold is a ratio of prefix lengths, at least 1")
         self.slo = slo or SLO()
+        self.enforce_slo = slo is not None  # no SLO given: never reject for predicted lateness
         self.threshold = kvcache_balancing_threshold
         self.rng = random.Random(seed)
         self._turn = 0
@@ -93,7 +94,7 @@ class Policy(ABC):
             return Rejection("no_decode", "no decode instance is serving")
         est = self.choose_prefill(request, cluster, prefills)
         reach_s = cluster.now_s + est.ttft_s
-        if self.early_rejection:
+        if self.early_rejection and self.enforce_slo:
             unloaded = min(estimate(p, request, max(p.own_blocks, p.pool_blocks)).service_s for p in prefills)
             rejected = check_ttft(cluster.now_s - request.arrival_s + est.ttft_s, unloaded, self.slo)
             if rejected is not None:
@@ -116,7 +117,7 @@ class Policy(ABC):
 
     def choose_decode(self, request: RequestView, cluster: ClusterView, reach_s: float) -> DecodeForecast | Rejection:
         return pick_decode(cluster.decodes, request, cluster.now_s, reach_s,
-                           self.slo if self.early_rejection else None)
+                           self.slo if self.early_rejection and self.enforce_slo else None)
 
     def _own(self, p: InstanceView, request: RequestView) -> PrefillEstimate:
         return estimate(p, request, p.own_blocks)

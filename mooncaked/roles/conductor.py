@@ -318,8 +318,11 @@ async def run_conductor_role(cfg) -> int:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     model_config, _ = read_model_config(model_dir)
-    policy = make_policy(cfg.policy, slo=SLO(cfg.ttft_slo_s, cfg.tbt_slo_s),
-                         kvcache_balancing_threshold=cfg.kvcache_balancing_threshold)
+    # early rejection is opt-in: without an SLO a request is never refused for predicted lateness
+    slo = None
+    if cfg.ttft_slo_s is not None or cfg.tbt_slo_s is not None:
+        slo = SLO(cfg.ttft_slo_s or float("inf"), cfg.tbt_slo_s or float("inf"))
+    policy = make_policy(cfg.policy, slo=slo, kvcache_balancing_threshold=cfg.kvcache_balancing_threshold)
     service = ConductorService(Tokenizer(model_dir), model_config, model_dir.name, cfg.block_size, cfg.hash_seed,
                                cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, SchedulerState(policy))
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Conductor"])

@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from mooncaked.engine.attention.metadata import AttentionMetadata
+from mooncaked.engine.attention.metadata import AttentionMetadata, write_kv
 
 FLASH_BLOCK_MULTIPLE = 256
 
@@ -40,12 +40,7 @@ class FlashAttention:
         self.head_dim = head_dim
         self.scale = scale
 
-    @staticmethod
-    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        kh, d = k_cache.shape[-2:]
-        k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v)
+    store_kv = staticmethod(write_kv)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

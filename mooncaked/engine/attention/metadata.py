@@ -38,3 +38,11 @@ class AttentionMetadata:
     @property
     def max_ctx_len(self) -> int:
         return max(self.ctx_lens) if self.ctx_lens else 0
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Scatter a step's new K/V ([T, Hkv, D]) into their cache slots; the same for every backend."""
+    kh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mooncaked.engine.attention.metadata import AttentionMetadata
+from mooncaked.engine.attention.metadata import AttentionMetadata, write_kv
 
 
 class TorchAttention:
@@ -23,12 +23,7 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = scale
 
-    @staticmethod
-    def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
-        kh, d = k_cache.shape[-2:]
-        k_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kh, d).index_copy_(0, meta.slot_mapping, v)
+    store_kv = staticmethod(write_kv)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
