@@ -94,6 +94,11 @@ async def _run(cfg, parent_pid: int | None) -> int:
 
     if parent_pid is not None:
         spawn(_watch_parent(parent_pid), "watch-parent")
+    if getattr(cfg, "metrics", None) is not None:
+        import prometheus_client
+
+        prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host)
+        log.info("Prometheus metrics on http://%s/metrics", cfg.metrics)
     if cfg.role in ("prefill", "decode"):
         from mooncaked.roles.engine_role import run_engine_role
 

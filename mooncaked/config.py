@@ -255,6 +255,10 @@ class RoleConfig:
                                           "seconds without a heartbeat before a peer is dead", "S")
     drain_timeout_s: float = _setting(30.0, _at_least(_float, 0),
                                       "seconds to finish in-flight work on SIGTERM", "S")
+    metrics: HostPort | None = _setting(None, _optional(_address(listening=True)),
+                                        "HOST:PORT of a Prometheus /metrics endpoint for this process "
+                                        "(default: none; the conductor also serves /metrics on its HTTP port)",
+                                        "HOST:PORT")
     log_level: str = _setting("INFO", _choice(LOG_LEVELS, upper=True), "logging level", "LEVEL")
 
     _ROLE: ClassVar[str | None] = None  # the role a subclass is for (None: any)

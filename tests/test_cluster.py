@@ -1,4 +1,4 @@
-"""The disaggregated cluster as real processes: conductor, two prefill and two decode instances."""
+"""The disaggregated cluster as real processes: conductor, store master, two prefill and two decode instances."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import socket
 import grpc
 import pytest
 
-from cluster import Cluster
+import urllib.request
+
+from cluster import Cluster, free_port
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.proto.mooncake.v1 import (common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2,
                                          engine_pb2_grpc)
@@ -22,10 +24,14 @@ ENGINES = ["p1", "p2", "d1", "d2"]
 @pytest.fixture(scope="module")
 def cluster(tiny_model_factory, tmp_path_factory):
     _, folder = tiny_model_factory("llama")
-    c = Cluster(folder, tmp_path_factory.mktemp("logs"))
+    c = Cluster(folder, tmp_path_factory.mktemp("logs"), extra_env={"MOONCAKED_STORE_DRAM_BYTES": "2MiB"})
     try:
         c.start("conductor", "conductor")
+        c.extra_env["MOONCAKED_STORE"] = f"127.0.0.1:{c.start('store', 'store')}"
         for name in ENGINES:
+            c.metrics = getattr(c, "metrics", {})
+            c.metrics[name] = free_port()
+            c.extra_env["MOONCAKED_METRICS"] = f"127.0.0.1:{c.metrics[name]}"
             c.start(name, "prefill" if name.startswith("p") else "decode")
         c.wait_serving(ENGINES)
         yield c
@@ -141,3 +147,10 @@ async def test_drain_and_undrain_through_the_conductor(cluster):
                 assert chunks[0].prefill_instance == "p2"
         finally:
             await stub.SetDrain(conductor_pb2.SetDrainRequest(name="p1", drain=False), timeout=5)
+
+
+def test_engines_export_prometheus_metrics(cluster):
+    for name in ENGINES:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics[name]}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert "mooncaked_transfer" in text and "mooncaked_store" in text, name

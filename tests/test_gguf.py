@@ -371,3 +371,21 @@ def test_convert_writes_complete_folder_atomically(tmp_path: Path, bpe_vocab: Vo
     (out / "stale.txt").write_text("x")
     convert_gguf(path, out)
     assert is_converted(out, path) and not (out / "stale.txt").exists()
+
+
+def test_our_engine_serves_a_gguf_file_like_transformers(tmp_path: Path, bpe: Tokenizer, bpe_vocab: Vocab) -> None:
+    """`Engine.from_pretrained("x.gguf")`: converted once into the cache, then logits and greedy
+    tokens equal transformers running the original weights."""
+    from mooncaked.engine import Engine, SamplingParams
+
+    model = tiny_llama()
+    path = write_gguf(tmp_path / "m.gguf", model, bpe_vocab)
+    engine = Engine.from_pretrained(path, cache_dir=tmp_path / "cache", block_size=4, kv_cache_bytes=4 << 20)
+    ids = bpe.encode(PROMPT).ids
+    torch.testing.assert_close(engine.score(ids, chunk_size=5), hf_logits(model, bpe)[0], rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(ids):].tolist()
+    assert engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == want
+    again = Engine.from_pretrained(path, cache_dir=tmp_path / "cache", block_size=4, kv_cache_bytes=4 << 20)
+    assert again.model_dir == engine.model_dir  # the conversion is reused
