@@ -23,7 +23,11 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer
+
+from mooncaked.engine.gguf_tokenizer import GGUFMeta, UnsupportedGGUFError, build_tokenizer
+
+__all__ = ["GGUFModel", "UnsupportedGGUFError", "convert_gguf", "is_converted", "read_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +42,6 @@ HF_FILES = ("config.json", "model.safetensors", "tokenizer.json",
 MARKER_FILE = "conversion.json"
 # Bump when the output of convert_gguf changes, so cached folders are redone.
 CONVERSION_FORMAT = 1
-
-
-class UnsupportedGGUFError(ValueError):
-    """The file is valid GGUF, but uses an architecture, tensor type or tokenizer we cannot convert."""
 
 
 @dataclass(frozen=True)
@@ -74,18 +74,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-# tokenizer.ggml.pre → split regex before byte-level mapping (None: GPT-2's own regex).
-_GPT2_PRE: dict[str, str | None] = {
-    "default": None, "gpt2": None, "gpt-2": None, "mpt": None, "olmo": None, "jais": None,
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-# These split every digit, then apply GPT-2's regex (llama-vocab.cpp groups them so).
-_DIGIT_PRES = frozenset({"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"})
-_SPECIAL_TYPES = frozenset({gguf.TokenType.CONTROL, gguf.TokenType.UNKNOWN})
-
 
 @dataclass
 class GGUFModel:
@@ -98,29 +86,10 @@ class GGUFModel:
     generation_config: dict[str, Any]
 
 
-class _Meta:
-    """Key/value metadata of one GGUF file, with `{arch}` keys resolved."""
-
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._fields = reader.fields
-        arch = self._fields.get(gguf.Keys.General.ARCHITECTURE)
-        self.arch = "" if arch is None else str(arch.contents())
-
-    def get(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key.format(arch=self.arch))
-        return default if field is None else field.contents()
-
-    def require(self, key: str) -> Any:
-        value = self.get(key)
-        if value is None:
-            raise UnsupportedGGUFError(f"GGUF metadata lacks {key.format(arch=self.arch)!r}")
-        return value
-
-
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     """Read a GGUF file into HF-named float32 tensors, an HF config and a tokenizer."""
     reader = gguf.GGUFReader(path)
-    meta = _Meta(reader)
+    meta = GGUFMeta(reader)
     arch = _ARCHS.get(meta.arch)
     if arch is None:
         raise UnsupportedGGUFError(
@@ -133,7 +102,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
                                       config["rope_theta"], config["max_position_embeddings"])
         if scaling is not None:
             config["rope_scaling"] = scaling
-    tokenizer, tokenizer_config = _build_tokenizer(meta)
+    tokenizer, tokenizer_config = build_tokenizer(meta)
     generation_config = _generation_config(meta)
     config["bos_token_id"] = generation_config.get("bos_token_id")
     config["eos_token_id"] = meta.get(gguf.Keys.Tokenizer.EOS_ID)
@@ -142,7 +111,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     return GGUFModel(config, tensors, tokenizer, tokenizer_config, generation_config)
 
 
-def _hf_config(meta: _Meta, arch: _Arch, raw: dict[str, gguf.ReaderTensor]) -> dict[str, Any]:
+def _hf_config(meta: GGUFMeta, arch: _Arch, raw: dict[str, gguf.ReaderTensor]) -> dict[str, Any]:
     keys = gguf.Keys
     hidden = int(meta.require(keys.LLM.EMBEDDING_LENGTH))
     n_head = int(meta.require(keys.Attention.HEAD_COUNT))
@@ -177,7 +146,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _metadata_rope_scaling(meta: _Meta) -> dict[str, Any] | None:
+def _metadata_rope_scaling(meta: GGUFMeta) -> dict[str, Any] | None:
     """Linear and YaRN scaling are stored as metadata; llama3's as a rope_freqs tensor."""
     kind = meta.get(gguf.Keys.Rope.SCALING_TYPE)
     factor = meta.get(gguf.Keys.Rope.SCALING_FACTOR)
@@ -285,120 +254,7 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape).contiguous())
 
 
-def _build_tokenizer(meta: _Meta) -> tuple[Tokenizer, dict[str, Any]]:
-    keys = gguf.Keys.Tokenizer
-    kind = meta.require(keys.MODEL)
-    tokens: list[str] = meta.require(keys.LIST)
-    types: list[int] = meta.get(keys.TOKEN_TYPE) or [gguf.TokenType.NORMAL] * len(tokens)
-    if kind == "gpt2":
-        tokenizer = _bpe_tokenizer(meta, tokens)
-        default_bos = False
-    elif kind == "llama":
-        tokenizer = _spm_tokenizer(meta, tokens, types)
-        default_bos = True
-    else:
-        raise UnsupportedGGUFError(f"tokenizer model {kind!r} is not supported (gpt2, llama)")
-    tokenizer.add_special_tokens([
-        AddedToken(tok, special=True, normalized=False)
-        for tok, ty in zip(tokens, types) if ty in _SPECIAL_TYPES])
-    tokenizer.add_tokens([
-        AddedToken(tok, special=False, normalized=False)
-        for tok, ty in zip(tokens, types) if ty == gguf.TokenType.USER_DEFINED])
-    config = _tokenizer_config(meta, tokens, default_bos)
-    _set_post_processor(tokenizer, config, meta)
-    return tokenizer, config
-
-
-def _bpe_tokenizer(meta: _Meta, tokens: list[str]) -> Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in meta.require(gguf.Keys.Tokenizer.MERGES)]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = _bpe_pre_tokenizer(
-        str(meta.get(gguf.Keys.Tokenizer.PRE, "default")),
-        bool(meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, False)))
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _bpe_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
-    """Mirror the pre-tokenizer the model's own tokenizer.json uses (llama.cpp names it)."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
-    if pre in _DIGIT_PRES:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre not in _GPT2_PRE:
-        raise UnsupportedGGUFError(f"tokenizer pre-tokenizer {pre!r} is not supported")
-    regex = _GPT2_PRE[pre]
-    if regex is None:
-        return byte_level
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False)])
-
-
-def _spm_tokenizer(meta: _Meta, tokens: list[str], types: list[int]) -> Tokenizer:
-    """SentencePiece BPE (llama/mistral): merges ranked by the score of the merged piece."""
-    scores: list[float] = meta.require(gguf.Keys.Tokenizer.SCORES)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    ranked: list[tuple[float, int, int, str, str]] = []
-    for piece, score, ty in zip(tokens, scores, types):
-        if ty != gguf.TokenType.NORMAL:
-            continue
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((-score, vocab[left], vocab[right], left, right))
-    ranked.sort()
-    unk_id = meta.get(gguf.Keys.Tokenizer.UNK_ID)
-    tokenizer = Tokenizer(models.BPE(
-        vocab=vocab, merges=[(left, right) for *_, left, right in ranked],
-        unk_token=None if unk_id is None else tokens[unk_id], fuse_unk=True, byte_fallback=True))
-    add_prefix = bool(meta.get(gguf.Keys.Tokenizer.ADD_PREFIX, True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if add_prefix else "never", split=False)
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_prefix else []))
-    return tokenizer
-
-
-def _tokenizer_config(meta: _Meta, tokens: list[str], default_bos: bool) -> dict[str, Any]:
-    keys = gguf.Keys.Tokenizer
-
-    def token(key: str) -> str | None:
-        token_id = meta.get(key)
-        return None if token_id is None or token_id >= len(tokens) else tokens[token_id]
-
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": token(keys.BOS_ID),
-        "eos_token": token(keys.EOS_ID),
-        "unk_token": token(keys.UNK_ID),
-        "pad_token": token(keys.PAD_ID),
-        "add_bos_token": bool(meta.get(keys.ADD_BOS, default_bos)),
-        "add_eos_token": bool(meta.get(keys.ADD_EOS, False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(gguf.Keys.LLM.CONTEXT_LENGTH, 2048)),
-    }
-    template = meta.get(keys.CHAT_TEMPLATE)
-    if template is not None:
-        config["chat_template"] = template
-    return config
-
-
-def _set_post_processor(tokenizer: Tokenizer, config: dict[str, Any], meta: _Meta) -> None:
-    """Add BOS/EOS when the model wants them, as HF's tokenizer.json does."""
-    before = [(config["bos_token"], meta.get(gguf.Keys.Tokenizer.BOS_ID))] if config["add_bos_token"] else []
-    after = [(config["eos_token"], meta.get(gguf.Keys.Tokenizer.EOS_ID))] if config["add_eos_token"] else []
-    if not before and not after:
-        return
-    pieces = [tok for tok, _ in before]
-    tail = [tok for tok, _ in after]
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=" ".join(pieces + ["$A"] + tail),
-        pair=" ".join(pieces + ["$A"] + tail + pieces + ["$B:1"] + tail),
-        special_tokens=list(dict.fromkeys(before + after)))
-
-
-def _generation_config(meta: _Meta) -> dict[str, Any]:
+def _generation_config(meta: GGUFMeta) -> dict[str, Any]:
     keys = gguf.Keys.Tokenizer
     eos = [meta.get(k) for k in (keys.EOS_ID, keys.EOT_ID, keys.EOM_ID)]
     eos_ids = list(dict.fromkeys(int(i) for i in eos if i is not None))

@@ -28,7 +28,7 @@ from mooncaked.engine.model_runner import ModelRunner
 from mooncaked.engine.outputs import Output
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
-from mooncaked.engine.sequence import Sequence, SeqStatus
+from mooncaked.engine.sequence import Sequence
 from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
