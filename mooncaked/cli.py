@@ -97,8 +97,8 @@ async def _run(cfg, parent_pid: int | None) -> int:
     if getattr(cfg, "metrics", None) is not None:
         import prometheus_client
 
-        prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host)
-        log.info("Prometheus metrics on http://%s/metrics", cfg.metrics)
+        server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host)
+        print(f"mooncaked {cfg.role}: metrics on http://{cfg.metrics.host}:{server.server_port}/metrics", flush=True)
     if cfg.role in ("prefill", "decode"):
         from mooncaked.roles.engine_role import run_engine_role
 

@@ -22,6 +22,7 @@ import functools
 import ipaddress
 import logging
 import math
+import os
 import re
 import socket
 import tomllib
@@ -278,7 +279,7 @@ class RoleConfig:
         if not self.name:
             host = self.advertise_address.host
             object.__setattr__(self, "name", re.sub(r"[^A-Za-z0-9_.-]+", "-",
-                                                    f"{self.role}-{host}-{self.listen.port}"))
+                                                    f"{self.role}-{host}-{self.listen.port or os.getpid()}"))
 
     @property
     def advertise_address(self) -> HostPort:

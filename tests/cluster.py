@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,19 +52,38 @@ class Cluster:
         return env
 
     def start(self, name: str, role: str, *args: str) -> int:
-        port = free_port()
-        cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", f"127.0.0.1:{port}",
-               "--name", name, *args]
+        """Start one role listening on a port it picks itself (port 0: nothing can take it between
+        pick and bind); returns that port once the process has printed it."""
+        cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", "127.0.0.1:0", "--name", name,
+               *args]
         if role != "conductor":
             cmd += ["--conductor", self.conductor]
-        else:
-            self.conductor_port = port
-            if "--http" not in args:
-                cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
+        elif "--http" not in args:
+            cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        port = self._printed_port(name, r"gRPC on [^ ]*:(\d+)")
         self.ports[name] = port
+        if role == "conductor":
+            self.conductor_port = port
         return port
+
+    def _printed_port(self, name: str, pattern: str, timeout_s: float = 120) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log(name))
+            if m:
+                return int(m.group(1))
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}: {self.log(name)[-3000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{name} did not print /{pattern}/ in {timeout_s}s")
+
+    def http_port(self, name: str) -> int:
+        return self._printed_port(name, r"HTTP on [^ ]*:(\d+)")
+
+    def metrics_port(self, name: str) -> int:
+        return self._printed_port(name, r"metrics on http://[^ ]*:(\d+)/metrics")
 
     def status(self) -> conductor_pb2.StatusReply:
         with grpc.insecure_channel(self.conductor) as ch:

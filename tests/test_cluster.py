@@ -10,7 +10,7 @@ import pytest
 
 import urllib.request
 
-from cluster import Cluster, free_port
+from cluster import Cluster
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.proto.mooncake.v1 import (common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2,
                                          engine_pb2_grpc)
@@ -28,10 +28,8 @@ def cluster(tiny_model_factory, tmp_path_factory):
     try:
         c.start("conductor", "conductor")
         c.extra_env["MOONCAKED_STORE"] = f"127.0.0.1:{c.start('store', 'store')}"
+        c.extra_env["MOONCAKED_METRICS"] = "127.0.0.1:0"
         for name in ENGINES:
-            c.metrics = getattr(c, "metrics", {})
-            c.metrics[name] = free_port()
-            c.extra_env["MOONCAKED_METRICS"] = f"127.0.0.1:{c.metrics[name]}"
             c.start(name, "prefill" if name.startswith("p") else "decode")
         c.wait_serving(ENGINES)
         yield c
@@ -151,6 +149,6 @@ async def test_drain_and_undrain_through_the_conductor(cluster):
 
 def test_engines_export_prometheus_metrics(cluster):
     for name in ENGINES:
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics[name]}/metrics", timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port(name)}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert "mooncaked_transfer" in text and "mooncaked_store" in text, name

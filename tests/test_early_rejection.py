@@ -6,7 +6,7 @@ import aiohttp
 import grpc
 import pytest
 
-from cluster import Cluster, free_port
+from cluster import Cluster
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -15,10 +15,10 @@ pytestmark = pytest.mark.timeout(300)
 async def test_unmeetable_tbt_slo_rejects_with_resource_exhausted_and_429(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
     c = Cluster(folder, tmp_path)
-    http = f"127.0.0.1:{free_port()}"
     try:
         # a TBT SLO no decode instance can meet: every request must be refused up front
-        c.start("conductor", "conductor", "--http", http, "--tbt-slo-s", "1e-9")
+        c.start("conductor", "conductor", "--http", "127.0.0.1:0", "--tbt-slo-s", "1e-9")
+        http = f"127.0.0.1:{c.http_port('conductor')}"
         c.start("p1", "prefill")
         c.start("d1", "decode")
         c.wait_serving(["p1", "d1"])

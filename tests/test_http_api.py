@@ -13,7 +13,7 @@ import aiohttp
 import grpc
 import pytest
 
-from cluster import Cluster, free_port
+from cluster import Cluster
 from mooncaked.conductor.http_api import UpstreamError, api_error
 from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2, engine_pb2_grpc
@@ -31,11 +31,12 @@ def cluster(tiny_model_factory, tmp_path_factory):
     _, folder = tiny_model_factory("llama")
     logs = tmp_path_factory.mktemp("http-logs")
     c, keyed = Cluster(folder, logs), Cluster(folder, logs)
-    c.http, keyed.http = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
     c.keyed = keyed
     try:
-        keyed.start("keyed", "conductor", "--http", keyed.http.removeprefix("http://"), "--api-key", "s3cret")
-        c.start("conductor", "conductor", "--http", c.http.removeprefix("http://"))
+        keyed.start("keyed", "conductor", "--http", "127.0.0.1:0", "--api-key", "s3cret")
+        c.start("conductor", "conductor", "--http", "127.0.0.1:0")
+        keyed.http = f"http://127.0.0.1:{keyed.http_port('keyed')}"
+        c.http = f"http://127.0.0.1:{c.http_port('conductor')}"
         c.start("p1", "prefill")
         c.start("d1", "decode")
         c.wait_serving(["p1", "d1"])

@@ -34,7 +34,7 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     def make(cls: type[RoleConfig], **over) -> RoleConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
-        values.update(over, name="")
+        values.update({"name": "", **over})
         return cls(**values)
 
     conductor = HostPort(host, cfg.listen.port)
@@ -42,10 +42,11 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     out: list[RoleConfig] = [make(ConductorConfig, role="conductor", listen=conductor)]
     if cfg.store is None:
         out.append(make(StoreConfig, role="store", listen=store))
-    out.append(make(PrefillConfig, role="prefill", listen=HostPort(host, free_port(host)), conductor=conductor,
-                    store=store, store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
-    out.append(make(DecodeConfig, role="decode", listen=HostPort(host, free_port(host)), conductor=conductor,
-                    store=store))
+    # engines bind any free port and register the one they got: no port can be taken between pick and bind
+    out.append(make(PrefillConfig, role="prefill", listen=HostPort(host, 0), conductor=conductor, store=store,
+                    store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM, name=f"prefill-{host}"))
+    out.append(make(DecodeConfig, role="decode", listen=HostPort(host, 0), conductor=conductor, store=store,
+                    name=f"decode-{host}"))
     return out
 
 
