@@ -105,8 +105,8 @@ def _check_outputs(out: Path) -> dict:
     return report
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason=f"no trace at {TRACE}")
 def test_replay_a_slice_of_the_trace(all_role, tmp_path):
+    assert TRACE.is_file(), f"the public trace should sit at {TRACE} (shared/ beside the checkout)"
     done = _replay(all_role, TRACE, tmp_path, "--max-requests", "8", "--time-scale", "0.05")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "8/8" in done.stderr  # the progress bar ran to the end

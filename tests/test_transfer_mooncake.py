@@ -44,7 +44,7 @@ def test_rdma_backend_says_what_it_needs() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.skipif(not HAVE_MOONCAKE, reason="mooncake-transfer-engine is not installed")
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason="Mooncake's RDMA transfer engine (mooncake-transfer-engine) is not installed")
 def test_mooncake_tcp_adapter_roundtrip() -> None:
     async def body() -> None:
         a, b = TransferEngine(backend="mooncake-tcp"), TransferEngine(backend="mooncake-tcp")
