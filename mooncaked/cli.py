@@ -90,7 +90,7 @@ async def _watch_parent(parent_pid: int) -> None:
 
 
 async def _run(cfg, parent_pid: int | None) -> int:
-    from mooncaked.roles.server import spawn
+    from mooncaked.tasks import spawn
 
     if parent_pid is not None:
         spawn(_watch_parent(parent_pid), "watch-parent")

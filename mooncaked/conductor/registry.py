@@ -6,7 +6,6 @@ Engines register and heartbeat; an instance whose heartbeats stop for
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,7 +14,8 @@ import grpc
 
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2_grpc
-from mooncaked.roles.server import CHANNEL_OPTIONS
+from mooncaked.rpc import CHANNEL_OPTIONS
+from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Registry:
         if old is not None:
             inst.drained_by_operator = old.drained_by_operator
             if old.channel is not None and old.address != inst.address:
-                asyncio.ensure_future(old.channel.close())
+                spawn(old.channel.close(), f"close-channel-{old.name}")
             elif old.channel is not None:
                 inst.channel, inst.stub = old.channel, old.stub
         if inst.channel is None:

@@ -31,7 +31,6 @@ class KVEvent:
 
     kind: str  # "stored" | "removed"
     block_hashes: tuple[int, ...]
-    parent_hash: int | None = None
 
 
 @dataclass

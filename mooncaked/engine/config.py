@@ -8,7 +8,7 @@ the model code never has to guess which of the two config conventions a file use
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -174,7 +174,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -81,13 +81,6 @@ class KVCache:
     def layout(self) -> "KVLayout":
         return KVLayout.of(self.pool)
 
-    def read_block(self, block_id: int) -> torch.Tensor:
-        """All layers' K and V of one block, ``[L, 2, bs, Hkv, D]`` (a copy): one pool object."""
-        return self.pool[:, :, block_id].clone()
-
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        self.pool[:, :, block_id].copy_(data.view(self.pool[:, :, block_id].shape))
-
 
 @dataclass(frozen=True)
 class KVLayout:

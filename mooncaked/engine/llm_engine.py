@@ -30,6 +30,7 @@ from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
 from mooncaked.engine.sequence import Sequence
 from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from mooncaked.tasks import log_task_failure
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ class StepRecord:
     """One engine step's measured time and shape (what a scheduler fits its time models on)."""
 
     prefill_tokens: int  # new tokens of prefilling sequences
-    prefix_tokens: int  # tokens those sequences already had in the cache
     decodes: int  # sequences decoding one token
     decode_context: int  # tokens in the cache across the decoding sequences
     seconds: float
@@ -320,7 +320,7 @@ class Engine:
         return outputs
 
     def _record(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
-        prefill = prefix = decodes = context = 0
+        prefill = decodes = context = 0
         for s in scheduled:
             s.seq.compute_s += seconds
             if s.num_new_tokens == 1 and s.seq.output_token_ids:
@@ -328,8 +328,14 @@ class Engine:
                 context += s.seq.num_computed_tokens + 1
             else:
                 prefill += s.num_new_tokens
-                prefix += s.seq.num_computed_tokens
-        self.step_log.append(StepRecord(prefill, prefix, decodes, context, seconds))
+        self.step_log.append(StepRecord(prefill, decodes, context, seconds))
+
+    def drain_step_log(self) -> list[StepRecord]:
+        """The steps recorded since the last call (thread-safe: deque pops are atomic)."""
+        out = []
+        while self.step_log:
+            out.append(self.step_log.popleft())
+        return out
 
     def _apply(self, s: ScheduledSeq, token: int | None, logprob: float | None, outputs: list[Output]) -> None:
         seq = s.seq
@@ -462,7 +468,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._driver_loop = loop
         self._driver = loop.create_task(self._drive(), name="engine-driver")
-        self._driver.add_done_callback(_log_task_failure)
+        self._driver.add_done_callback(log_task_failure)
 
     def _wake_driver(self) -> None:
         loop = self._driver_loop
@@ -506,7 +512,3 @@ class Engine:
             steps=self._steps,
         )
 
-
-def _log_task_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("engine driver failed", exc_info=task.exception())

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -18,9 +16,6 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-_counter = itertools.count()
-
-
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -31,7 +26,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
-    num_prompt_tokens_computed: int = 0  # prompt tokens this engine actually ran through the model
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -45,8 +39,6 @@ class Sequence:
     hold_blocks: bool = False
     compute_s: float = 0.0  # engine step time of the steps it took part in
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignored, stop_token_ids)
-    user_data: Any = None
-    arrival: int = field(default_factory=lambda: next(_counter))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -59,11 +51,6 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True while more than the last token is still to be computed."""
-        return self.num_uncomputed > 1 or not self.output_token_ids
 
     @property
     def finished(self) -> bool:

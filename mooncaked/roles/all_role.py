@@ -65,7 +65,7 @@ async def run_all_role(cfg: AllConfig) -> int:
         p = ctx.Process(target=_child_main, args=(child,), name=f"mooncaked-{child.role}", daemon=False)
         p.start()
         children.append((child, p))
-    from mooncaked.roles.server import sd_notify
+    from mooncaked.rpc import sd_notify
 
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

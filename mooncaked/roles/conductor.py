@@ -25,7 +25,7 @@ from mooncaked.engine.tokenizer import Tokenizer
 from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2
 from mooncaked.roles.convert import layout_from_proto, sampling_from_proto, sampling_to_proto
-from mooncaked.roles.server import RPC_TIMEOUT_S
+from mooncaked.rpc import RPC_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,8 @@ async def run_conductor_role(cfg) -> int:
     from mooncaked.config import HostPort
     from mooncaked.conductor.openai_schema import ServedModel
     from mooncaked.engine.loader import read_model_config, resolve_model_dir
-    from mooncaked.roles.server import RoleServer, sd_notify, spawn
+    from mooncaked.rpc import RoleServer, sd_notify
+    from mooncaked.tasks import spawn
 
     loop = asyncio.get_running_loop()
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None

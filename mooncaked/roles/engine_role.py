@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from pathlib import Path
@@ -16,7 +15,8 @@ from mooncaked.roles.convert import layout_to_proto
 from mooncaked.roles.kv_push import KV_REGION
 from mooncaked.roles.membership import Membership
 from mooncaked.roles.pool_cache import POOL_HOLDER
-from mooncaked.roles.server import RoleServer, sd_notify, spawn
+from mooncaked.rpc import RoleServer, sd_notify
+from mooncaked.tasks import spawn
 from mooncaked.roles.worker import WorkerService
 from mooncaked.transfer import TransferEngine
 
@@ -24,10 +24,6 @@ log = logging.getLogger(__name__)
 
 _ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
 _MEDIUM = {"cpu": "dram"}
-
-
-def model_id_of(model_dir) -> str:
-    return model_dir.name
 
 
 async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
@@ -42,7 +38,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     engine.start_driver(loop)
     await transfer.start()
     store = await _start_store_client(cfg, transfer) if cfg.store is not None else None
-    service = WorkerService(cfg.name, role, engine, transfer, model_id_of(model_dir), cfg.kv_push, store)
+    service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push, store)
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"])
     engine_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     port = await server.start()
@@ -66,7 +62,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
                 events.append(common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=stored,
                                                  medium="pool", instance=POOL_HOLDER))
         samples = [conductor_pb2.DecodeSample(batch=r.decodes, context_tokens=r.decode_context, seconds=r.seconds)
-                   for r in _drain(engine.step_log) if r.decodes and not r.prefill_tokens]
+                   for r in engine.drain_step_log() if r.decodes and not r.prefill_tokens]
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
                                               events=events, decode_samples=samples[-64:])
 
@@ -117,9 +113,3 @@ async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
             await asyncio.sleep(1.0)
     return None
 
-
-def _drain(log_: "collections.deque") -> list:
-    out = []
-    while log_:
-        out.append(log_.popleft())
-    return out

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from mooncaked.roles.server import CHANNEL_OPTIONS, RPC_TIMEOUT_S
+from mooncaked.rpc import CHANNEL_OPTIONS, RPC_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

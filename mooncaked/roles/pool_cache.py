@@ -14,7 +14,7 @@ import logging
 
 from mooncaked.engine import Engine
 from mooncaked.hashing import block_hashes
-from mooncaked.roles.server import spawn
+from mooncaked.tasks import spawn
 from mooncaked.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,6 @@ class PoolCache:
         self.bs = engine.config.block_size
         self.seed = engine.config.hash_seed
         self.pool_events: list[int] = []  # hashes stored in the pool, for the next heartbeat
-        self.pulled_blocks = 0
-        self.written_blocks = 0
         self._writing = asyncio.Semaphore(MAX_WRITEBACKS)
 
     def keys(self, hashes: list[int]) -> list[str]:
@@ -68,7 +66,6 @@ class PoolCache:
             return []
         if got < len(blocks):
             await self.engine.call(self.engine.unreserve, blocks[got:])
-        self.pulled_blocks += got
         log.debug("pulled %d prefix blocks from the pool (local cache had %d)", got, local)
         return blocks[:got]
 
@@ -90,7 +87,6 @@ class PoolCache:
                 log.warning("pool write-back of %d blocks failed: %s", len(items), e)
                 return
         stored = [h for (_, _, h), good in zip(items, ok) if good]
-        self.written_blocks += len(stored)
         self.pool_events.extend(stored)
 
     def drain_events(self) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from mooncaked.config import StoreConfig, StorePolicyConfig
-from mooncaked.roles.server import sd_notify
+from mooncaked.rpc import sd_notify
 from mooncaked.store.records import Policy
 from mooncaked.store.service import MasterRunner
 

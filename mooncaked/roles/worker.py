@@ -9,6 +9,7 @@ the request into the running batch and stream its tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,6 @@ import grpc
 from mooncaked.engine import Engine, Output, RequestError, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.llm_engine import StepSeq
-from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mooncaked.roles.convert import layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto
 from mooncaked.roles.kv_push import KV_REGION, KVPush
@@ -169,7 +169,8 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
             if out.finished:
                 loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
 
-        one = SamplingParams(**{**params.__dict__, "max_tokens": 1})
+        # the prefill samples only the first token; min_tokens still keeps it from being EOS
+        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         imported = await self.pool.fetch_prefix(prompt) if self.pool is not None else []
         self.pushes[rid] = push
         self.queued_prefill_tokens += len(prompt)
@@ -242,6 +243,3 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         hashes = list(request.block_hashes)
         n = self.engine.block_manager.cached_prefix_len(hashes)
         return engine_pb2.CachedPrefixReply(num_blocks=n)
-
-    def prefix_hashes(self, token_ids: list[int]) -> list[int]:
-        return block_hashes(token_ids, self.layout.block_size, self.engine.config.hash_seed)

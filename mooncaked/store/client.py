@@ -21,7 +21,8 @@ import grpc
 import torch
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
-from mooncaked.roles.server import CHANNEL_OPTIONS, spawn
+from mooncaked.rpc import CHANNEL_OPTIONS
+from mooncaked.tasks import spawn
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument, StoreError, StoreUnavailable, from_rpc_error

@@ -18,7 +18,8 @@ from typing import Any
 import grpc
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
-from mooncaked.roles.server import RoleServer, spawn
+from mooncaked.rpc import RoleServer
+from mooncaked.tasks import spawn
 from mooncaked.store import convert
 from mooncaked.store.errors import FailedPrecondition, NoRoom, NotFound, StoreError
 from mooncaked.store.master import StoreMaster

@@ -27,17 +27,6 @@ class AttentionMetadata:
     # backend-private values that are the same for every layer (computed on first use)
     cache: dict[str, object] = field(default_factory=dict)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
-    @property
-    def max_q_len(self) -> int:
-        return max(self.q_lens) if self.q_lens else 0
-
-    @property
-    def max_ctx_len(self) -> int:
-        return max(self.ctx_lens) if self.ctx_lens else 0
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,5 +1,6 @@
 """What every daemon shares: a grpc.aio server with health checking and reflection,
-one shutdown path for SIGTERM/SIGINT, and systemd's notify protocol."""
+one shutdown path for SIGTERM/SIGINT, systemd's notify protocol, and the channel options
+and default deadline every gRPC client uses."""
 
 from __future__ import annotations
 
@@ -87,14 +88,3 @@ class RoleServer:
         await self.not_serving()
         await self.server.stop(grace_s)
 
-
-def log_task_failure(task: asyncio.Task) -> None:
-    """Done-callback for background tasks: a failure is logged, never lost."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task %s failed", task.get_name(), exc_info=task.exception())
-
-
-def spawn(coro, name: str) -> asyncio.Task:
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    task.add_done_callback(log_task_failure)
-    return task
