@@ -29,25 +29,25 @@ TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
 def test_equal_hash_ids_give_equal_token_blocks():
     s = Synthesizer(length_scale=0.01, vocab_size=256)
     assert s.block_tokens == 5
-    a = s.prompt(0, TraceRequest(0, 1500, 10, (7, 8, 9)))
-    b = s.prompt(1, TraceRequest(5, 1200, 10, (7, 8, 11)))
-    c = Synthesizer(length_scale=0.01, vocab_size=256).prompt(2, TraceRequest(9, 1500, 10, (7, 8, 9)))
+    a = s.prompt(0, TraceRequest(0, 0.0, 1500, 10, (7, 8, 9)))
+    b = s.prompt(1, TraceRequest(0, 5.0, 1200, 10, (7, 8, 11)))
+    c = Synthesizer(length_scale=0.01, vocab_size=256).prompt(2, TraceRequest(0, 9.0, 1500, 10, (7, 8, 9)))
     assert len(a) == 15 and len(b) == 12
     assert a[:10] == b[:10] and a[10:12] != b[10:12]  # shared hash ids, then a different block
     assert a == c  # deterministic: the same hash ids give the same tokens in any run
     assert all(s.low <= t < 256 for t in a + b)
     # a prompt longer than its hash ids cover gets a tail of its own
-    d = s.prompt(3, TraceRequest(0, 1000, 10, (7,)))
-    e = s.prompt(4, TraceRequest(0, 1000, 10, (7,)))
+    d = s.prompt(3, TraceRequest(0, 0.0, 1000, 10, (7,)))
+    e = s.prompt(4, TraceRequest(0, 0.0, 1000, 10, (7,)))
     assert d[:5] == e[:5] == a[:5] and d[5:] != e[5:]
 
 
 def test_lengths_scale_and_fit_the_context():
     s = Synthesizer(length_scale=0.01, vocab_size=256, max_prompt_tokens=511)
-    assert s.lengths(TraceRequest(0, 40160, 600, ())) == (402, 6)
-    n_in, n_out = s.lengths(TraceRequest(0, 191378, 90000, ()))
+    assert s.lengths(TraceRequest(0, 0.0, 40160, 600, ())) == (402, 6)
+    n_in, n_out = s.lengths(TraceRequest(0, 0.0, 191378, 90000, ()))
     assert n_in + n_out <= 511 and n_out >= 1
-    assert s.lengths(TraceRequest(0, 28, 3, ())) == (1, 1)  # never zero
+    assert s.lengths(TraceRequest(0, 0.0, 28, 3, ())) == (1, 1)  # never zero
 
 
 def test_bad_trace_lines_are_refused(tmp_path):

@@ -33,6 +33,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim.trace import TraceRequest, load_trace  # noqa: E402  (the one Mooncake-trace reader, shared with simulate.py)
+
 log = logging.getLogger("replay")
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash 512-token blocks
@@ -40,35 +43,6 @@ META_TIMEOUT_S = 10.0
 
 
 # -- the trace and its token ids ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class TraceRequest:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: Path, max_requests: int | None) -> list[TraceRequest]:
-    """The first ``max_requests`` requests (all when None), read no further than needed."""
-    out: list[TraceRequest] = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if max_requests is not None and len(out) >= max_requests:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                req = TraceRequest(float(row["timestamp"]), int(row["input_length"]), int(row["output_length"]),
-                                   tuple(int(h) for h in row.get("hash_ids", ())))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a Mooncake trace line ({e})") from None
-            if req.input_length < 1 or req.output_length < 0 or req.timestamp_ms < 0:
-                raise ValueError(f"{path}:{n}: lengths and timestamp must be non-negative (input >= 1)")
-            out.append(req)
-    return out
-
-
 @dataclass(frozen=True)
 class Synthesizer:
     """Token ids for trace requests, after length scaling; a block's ids depend only on its hash id."""
@@ -203,7 +177,7 @@ async def replay(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]
             raise ValueError("the server does not report vocab_size; pass --vocab-size")
         ctx = card.get("max_model_len") if args.fit_context else None
         synth = Synthesizer(args.length_scale, int(vocab), args.seed, ctx - 1 if ctx else None)
-        first_ts = min(r.timestamp_ms for r in trace)
+        first_ts = min(r.arrival_s for r in trace)
         results: list[Result] = []
         tasks: list[asyncio.Task] = []
         clipped = 0
@@ -221,7 +195,7 @@ async def replay(args: argparse.Namespace) -> tuple[list[Result], dict[str, Any]
         for i, req in enumerate(trace):
             n_in, n_out = synth.lengths(req)
             clipped += n_in < max(1, round(req.input_length * args.length_scale))
-            res = Result(i, (req.timestamp_ms - first_ts) / 1000 * args.time_scale, n_in, n_out)
+            res = Result(i, (req.arrival_s - first_ts) * args.time_scale, n_in, n_out)
             prompt = synth.prompt(i, req)
             delay = t0 + res.sent_s - time.perf_counter()
             if delay > 0:
