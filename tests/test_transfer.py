@@ -8,9 +8,7 @@ Child processes are spawned, never forked (big buffers + fork = CoW faults).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -22,6 +20,7 @@ import pytest
 import torch
 import uvloop
 from prometheus_client import REGISTRY
+from transfer_helpers import PeerProcess, closed_port, digest, rand_bytes, run_uv
 
 from mooncaked.transfer import (
     OutOfBoundsError,
@@ -39,7 +38,6 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
     "uvloop": uvloop.new_event_loop,
     "asyncio": asyncio.new_event_loop,
 }
-SPAWN = mp.get_context("spawn")
 MiB = 1024 * 1024
 
 
@@ -52,27 +50,12 @@ def run(request: pytest.FixtureRequest) -> Callable[[Awaitable[T]], T]:
     return _run
 
 
-def run_uv(coro: Awaitable[T]) -> T:
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)  # type: ignore[arg-type]
 
-
-def rand_bytes(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).hexdigest()
 
 
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def pair(**kw: Any) -> tuple[TransferEngine, TransferEngine, str]:
@@ -420,25 +403,8 @@ def _peer_main(pipe: Connection, backend: str, nbytes: int) -> None:
     uvloop.run(main())
 
 
-class Peer:
-    """Parent's handle on a spawned _peer_main."""
-
-    def __init__(self, backend: str, nbytes: int) -> None:
-        self.pipe, child = SPAWN.Pipe()
-        self.proc = SPAWN.Process(target=_peer_main, args=(child, backend, nbytes), daemon=True)
-        self.proc.start()
-        assert self.pipe.poll(45), "peer process did not start"
-        self.address: str = self.pipe.recv()
-
-    def ask(self, *cmd: Any) -> Any:
-        self.pipe.send(cmd)
-        assert self.pipe.poll(20), f"peer did not answer {cmd}"
-        return self.pipe.recv()
-
-    def stop(self) -> None:
-        self.pipe.send(("stop",))
-        self.proc.join(20)
-        assert self.proc.exitcode == 0
+def Peer(backend: str, nbytes: int) -> PeerProcess:  # noqa: N802 - reads as the handle it makes
+    return PeerProcess(_peer_main, backend, nbytes)
 
 
 def shm_names(pid: int) -> set[str]:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter as Tally
+from collections.abc import Sequence
 
 from prometheus_client import Counter
+
+from mooncaked.transfer.api import TransferOp
 
 logger = logging.getLogger(__name__)
 
@@ -65,3 +68,24 @@ def count_batch(backend: str, role: str, ops: Tally[tuple[str, bool]], sent: int
         _sent(backend).inc(sent)
     if received:
         _received(backend).inc(received)
+
+
+def count_initiated(backend: str, ops: Sequence[TransferOp], oks: Sequence[bool]) -> None:
+    """Record ops this process started (oks[i]: whether ops[i] succeeded) and
+    the payload bytes the successful ones moved. A single op, the common
+    put/get, is counted directly: building a tally would cost more."""
+    if len(ops) == 1:
+        op, ok = ops[0], oks[0]
+        sent = op.length if ok and op.op == "write" else 0
+        received = op.length if ok and op.op == "read" else 0
+        count_op(backend, op.op, "initiator", ok, sent, received)
+        return
+    tally: Tally[tuple[str, bool]] = Tally()
+    sent = received = 0
+    for op, ok in zip(ops, oks, strict=True):
+        tally[op.op, ok] += 1
+        if ok and op.op == "write":
+            sent += op.length
+        elif ok:
+            received += op.length
+    count_batch(backend, "initiator", tally, sent, received)

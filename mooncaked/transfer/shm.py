@@ -5,6 +5,12 @@ multiprocessing.shared_memory: that module's resource tracker unlinks
 segments it merely attached to when the attaching process exits (Python
 < 3.13), which would tear regions out from under their owner. The owner
 unlinks its segment on unregister/close; peers keep a mapping per segment.
+
+Each segment ends with a trailer page after the region's bytes whose first
+word says whether the owner still has the region (LIVE) or dropped it
+(DEAD, written before the unlink). A peer that mapped the segment reads the
+word from its own mapping before each batch, which costs no syscall; for a
+segment without a trailer (made by an older owner) it asks the filesystem.
 """
 
 from __future__ import annotations
@@ -48,9 +54,19 @@ def _path(shm_name: str) -> str:
     return os.path.join(SHM_DIR, shm_name)
 
 
-def _map(fd: int, nbytes: int) -> torch.Tensor:
-    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
-    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps mm alive
+_LIVE = b"MCKDLIVE"
+_DEAD = b"MCKDDEAD"
+
+
+def _trailer_at(nbytes: int) -> int:
+    """Offset of the trailer: the first page boundary at or after the region's end."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def _map(fd: int, size: int) -> tuple[torch.Tensor, memoryview]:
+    """Map `size` bytes of the file: a uint8 tensor and a memoryview of them."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    return torch.frombuffer(mm, dtype=torch.uint8), memoryview(mm)  # both keep mm alive
 
 
 @dataclass(slots=True)
@@ -59,10 +75,13 @@ class ShmSegment:
 
     shm_name: str
     nbytes: int
-    tensor: torch.Tensor  # uint8, maps the whole segment
+    tensor: torch.Tensor  # uint8, the region's nbytes (the trailer page follows)
+    trailer: memoryview  # the liveness word
 
     def unlink(self) -> None:
-        """Remove the name; the pages go when the last mapping is dropped."""
+        """Mark the region dropped for peers that mapped it, then remove the
+        name; the pages go when the last mapping is dropped."""
+        self.trailer[:] = _DEAD
         try:
             os.unlink(_path(self.shm_name))
         except FileNotFoundError:
@@ -70,7 +89,7 @@ class ShmSegment:
 
 
 def create_segment(nbytes: int) -> ShmSegment:
-    """Create, size, map and prefault a new segment.
+    """Create, size, map and prefault a new segment (region + trailer page).
 
     posix_fallocate reserves the pages now, so a full /dev/shm fails here with
     an error instead of SIGBUS on first touch later; touching every page maps
@@ -80,56 +99,77 @@ def create_segment(nbytes: int) -> ShmSegment:
         raise TransferError(f"shm region size must be positive, got {nbytes}")
     shm_name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path = _path(shm_name)
+    at = _trailer_at(nbytes)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            os.posix_fallocate(fd, 0, at + PAGE)
         except OSError as e:
             raise TransferError(
                 f"cannot allocate {nbytes} bytes in {SHM_DIR}: {e}; "
                 "free space there or use a smaller region"
             ) from e
-        tensor = _map(fd, nbytes)
+        tensor, view = _map(fd, at + PAGE)
     except BaseException:
         os.unlink(path)
         raise
     finally:
         os.close(fd)
     tensor[::PAGE].zero_()  # prefault: one write per page
+    trailer = view[at : at + len(_LIVE)]
+    trailer[:] = _LIVE
     logger.debug("created shm segment %s (%d bytes)", shm_name, nbytes)
-    return ShmSegment(shm_name, nbytes, tensor)
+    return ShmSegment(shm_name, nbytes, tensor[:nbytes], trailer)
+
+
+@dataclass(slots=True)
+class Attachment:
+    """A peer's segment as mapped here."""
+
+    tensor: torch.Tensor  # uint8, the region's bytes
+    nbytes: int  # and address: asked of torch once, not per op
+    address: int
+    trailer: memoryview | None  # the owner's liveness word; None for a segment without one
 
 
 class ShmAttachments:
     """Mappings of peers' segments, made on first use and kept until close."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, torch.Tensor] = {}
+        self._maps: dict[str, Attachment] = {}
 
-    def get(self, shm_name: str, nbytes: int) -> torch.Tensor:
-        tensor = self._maps.get(shm_name)
-        if tensor is not None and tensor.numel() >= nbytes:
-            return tensor
+    def get(self, shm_name: str, nbytes: int) -> Attachment:
+        att = self._maps.get(shm_name)
+        if att is not None and att.nbytes >= nbytes:
+            return att
         try:
             fd = os.open(_path(shm_name), os.O_RDWR)
         except FileNotFoundError as e:
-            raise PeerUnavailableError(
-                f"shm segment {shm_name} is gone: its owner unregistered it or exited"
-            ) from e
+            raise _gone(shm_name) from e
         try:
             size = os.fstat(fd).st_size
             if size < nbytes:
                 raise TransferError(f"shm segment {shm_name} has {size} bytes, peer said {nbytes}")
-            tensor = _map(fd, nbytes)
+            at = _trailer_at(nbytes)
+            tensor, view = _map(fd, at + PAGE if size >= at + PAGE else nbytes)
         finally:
             os.close(fd)
-        self._maps[shm_name] = tensor
+        trailer = view[at : at + len(_LIVE)] if len(view) > at else None
+        if trailer is not None and trailer == _DEAD:
+            raise _gone(shm_name)
+        if trailer is not None and trailer != _LIVE:
+            trailer = None  # not our trailer: fall back to asking the filesystem
+        att = self._maps[shm_name] = Attachment(tensor[:nbytes], nbytes, tensor.data_ptr(), trailer)
         logger.debug("attached shm segment %s (%d bytes)", shm_name, nbytes)
-        return tensor
+        return att
 
-    @staticmethod
-    def alive(shm_name: str) -> bool:
-        """Whether the owner still has the segment (it unlinks on unregister)."""
+    def alive(self, shm_name: str) -> bool:
+        """Whether the owner still has the segment: its trailer says so once
+        mapped (no syscall); otherwise whether the name exists (the owner
+        unlinks it on unregister)."""
+        att = self._maps.get(shm_name)
+        if att is not None and att.trailer is not None:
+            return att.trailer == _LIVE
         return os.path.exists(_path(shm_name))
 
     def drop(self, shm_name: str) -> None:
@@ -137,3 +177,7 @@ class ShmAttachments:
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def _gone(shm_name: str) -> PeerUnavailableError:
+    return PeerUnavailableError(f"shm segment {shm_name} is gone: its owner unregistered it or exited")

@@ -2,9 +2,9 @@
 
 The peer's regions and segment names come from the control query; a segment
 is mapped once and kept. Before each batch the segments it touches are
-checked to still exist (the owner unlinks on unregister), so a dropped or
-re-made region is noticed and looked up again instead of being written into
-a dead mapping.
+checked to still be the owner's (the trailer word in our own mapping, see
+shm.py), so a dropped or re-made region is noticed and looked up again
+instead of being written into a dead mapping.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-from collections import Counter as Tally
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -21,7 +20,7 @@ import torch
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, TransferError, TransferOp, UnknownRegionError, check_bounds
 from mooncaked.transfer.regions import RegionTable
-from mooncaked.transfer.shm import ShmAttachments, host_id, shm_available
+from mooncaked.transfer.shm import Attachment, ShmAttachments, host_id, shm_available
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +69,10 @@ class ShmPath:
         self._pool: ThreadPoolExecutor | None = None
         self._attachments = ShmAttachments()
         self._host_id = host_id()
+        self._shm_ok = shm_available()  # asked once: two syscalls per batch otherwise
 
     def same_host(self, info: PeerInfo) -> bool:
-        return info.host_id == self._host_id and shm_available()
+        return info.host_id == self._host_id and self._shm_ok
 
     async def run(
         self, peer: str, ops: list[TransferOp], info: PeerInfo, refresh: Callable[[], Awaitable[PeerInfo]]
@@ -90,39 +90,41 @@ class ShmPath:
                     "use backend 'auto' or 'tcp'"
                 )
             return outcomes, list(range(len(ops)))
-        if self._stale(info, {op.remote_region for op in ops}):
+        names = [ops[0].remote_region] if len(ops) == 1 else {op.remote_region for op in ops}
+        if self._stale(info, names):
             info = await refresh()
         copies: list[Copy] = []
         keep: list[torch.Tensor] = []  # owners of the memory behind the raw addresses
         left: list[int] = []
-        tally: Tally[tuple[str, bool]] = Tally()
-        sent = received = 0
+        done: list[TransferOp] = []  # what went through shm (or failed here), for the metrics
+        oks: list[bool] = []
         for i, op in enumerate(ops):
             try:
                 mapped = self._map(peer, op, info)
             except TransferError as e:
                 outcomes[i] = e
-                tally[op.op, False] += 1
+                done.append(op)
+                oks.append(False)
                 continue
             if mapped is None:
                 left.append(i)
                 continue
-            local = self._regions.lookup(op.local_region, op.local_offset, op.length).flat
-            keep += (local, mapped)
-            local_at = local.data_ptr() + op.local_offset
-            remote_at = mapped.data_ptr() + op.remote_offset
+            local = self._regions.lookup(op.local_region, op.local_offset, op.length)
+            keep += (local.flat, mapped.tensor)
+            local_at = local.info.address + op.local_offset  # info.address is flat's data_ptr
+            remote_at = mapped.address + op.remote_offset
             if op.op == "write":
                 copies.append((remote_at, local_at, op.length))
-                sent += op.length
             else:
                 copies.append((local_at, remote_at, op.length))
-                received += op.length
-            tally[op.op, True] += 1
+            done.append(op)
+            oks.append(True)
         await self._copy(copies)  # `keep` holds the memory until here
-        metrics.count_batch("shm", "initiator", tally, sent, received)
+        if done:
+            metrics.count_initiated("shm", done, oks)
         return outcomes, left
 
-    def _stale(self, info: PeerInfo, names: set[str]) -> bool:
+    def _stale(self, info: PeerInfo, names: Iterable[str]) -> bool:
         """Whether a region is unknown or its segment is gone (drop those mappings)."""
         stale = False
         for name in names:
@@ -134,7 +136,7 @@ class ShmPath:
                 stale = True
         return stale
 
-    def _map(self, peer: str, op: TransferOp, info: PeerInfo) -> torch.Tensor | None:
+    def _map(self, peer: str, op: TransferOp, info: PeerInfo) -> Attachment | None:
         """The peer's segment for op, checked; None to hand the op to tcp."""
         remote = info.regions.get(op.remote_region)
         if remote is None:

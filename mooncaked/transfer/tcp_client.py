@@ -230,23 +230,51 @@ class ClientConnection(asyncio.BufferedProtocol):
                     failed.set_exception(e)
                     futures.append(failed)
 
-    async def _send_locked(
-        self, ops: list[WireOp], timeout_s: float, futures: list[asyncio.Future[bytes | None]]
-    ) -> None:
+    def send_now(self, op: WireOp, timeout_s: float) -> asyncio.Future[bytes | None] | None:
+        """Hand one op to the transport without awaiting anything; its future.
+
+        The single-op path (one put/get): no lock, no coroutine. None when it
+        must queue behind another sender (one holds the send lock, or the
+        transport is over its high-water mark) or be paced: use send() then.
+        Raises TransferError if the connection is closed.
+        """
+        if self._send_lock.locked() or self._limiter is not None or not self._can_write.is_set():
+            return None
+        transport = self._writable()
+        future, header = self._enqueue(op, timeout_s)
+        if op.payload is not None and op.length:
+            transport.writelines((header, op.payload))
+        else:
+            transport.write(header)
+        return future
+
+    def _writable(self) -> asyncio.Transport:
         transport = self._transport
         if self.closed or transport is None or transport.is_closing():
             raise self._error or PeerUnavailableError(f"connection to {self.peer} is closed")
+        return transport
+
+    def _enqueue(self, op: WireOp, timeout_s: float) -> tuple[asyncio.Future[bytes | None], bytes]:
+        """Book an op as sent (its deadline starts now); its future and request header."""
+        future: asyncio.Future[bytes | None] = self._loop.create_future()
+        req_id = next(self._ids)
+        deadline = self._loop.time() + timeout_s
+        self._pending.append(_Pending(req_id, op.op, op.length, op.dest, future, timeout_s, deadline))
+        self.outstanding_bytes += op.length
+        if self._timer is None:
+            self._arm()
+        return future, pack_request(op.op, req_id, op.name, op.offset, op.length)
+
+    async def _send_locked(
+        self, ops: list[WireOp], timeout_s: float, futures: list[asyncio.Future[bytes | None]]
+    ) -> None:
+        transport = self._writable()
         bufs: list[bytes | memoryview] = []
         queued = 0
         for op in ops:
-            future: asyncio.Future[bytes | None] = self._loop.create_future()
-            req_id = next(self._ids)
-            deadline = self._loop.time() + timeout_s
-            self._pending.append(_Pending(req_id, op.op, op.length, op.dest, future, timeout_s, deadline))
-            self.outstanding_bytes += op.length
-            self._arm()
+            future, header = self._enqueue(op, timeout_s)
             futures.append(future)
-            bufs.append(pack_request(op.op, req_id, op.name, op.offset, op.length))
+            bufs.append(header)
             payload = op.payload if op.length else None
             if payload is not None and self._limiter is not None:
                 transport.writelines(bufs)

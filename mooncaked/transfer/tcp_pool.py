@@ -3,7 +3,9 @@
 A batch's ops are spread over the peer's connections, biggest first onto
 the least loaded, so a big batch keeps every connection busy (and, on a real
 NIC, the flows' protocol work lands on several cores). Each connection
-pipelines its share. A connection that failed is dropped and the next
+pipelines its share. A single op (one put/get) takes the least loaded
+connection and, if that one is idle, goes onto the wire synchronously with
+no lock, task or gather. A connection that failed is dropped and the next
 submit opens a fresh one.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter as Tally
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, PeerUnavailableError, TransferError, TransferOp, parse_address
@@ -58,11 +59,23 @@ class PeerPool:
             ) from e
         return conn
 
+    def ready(self, want: int | None = None) -> list[ClientConnection] | None:
+        """The connections if `want` (default: all) are open and none is being
+        opened, else None. The steady state, answered without the lock or a
+        coroutine; the list is live: use it before awaiting anything."""
+        conns = self.conns
+        if len(conns) < min(want or self.size, self.size) or self._lock.locked() or any(c.closed for c in conns):
+            return None
+        return conns
+
     async def connections(self, want: int | None = None) -> list[ClientConnection]:
         """The open connections, topped up to `want` (default: all `size`).
 
         Raises PeerUnavailableError only if not a single one can be had.
         """
+        conns = self.ready(want)
+        if conns is not None:
+            return list(conns)
         async with self._lock:
             self.conns = [c for c in self.conns if not c.closed]
             missing = min(want or self.size, self.size) - len(self.conns)
@@ -96,17 +109,31 @@ async def run_ops(pool: PeerPool, ops: list[WireOp], timeout_s: float) -> list[B
     batch. Cancellation aborts the connections that had ops in flight.
     """
     conns = await pool.connections()
-    load = [c.outstanding_bytes for c in conns]  # other submits' bytes count too
+    lanes = _stripe(conns, ops)
+    results: list[BaseException | bytes | None] = [None] * len(ops)
+    busy = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
+    if len(busy) == 1:  # e.g. one connection per peer: no task and no gather for a single lane
+        await _run_lane(busy[0][0], busy[0][1], ops, timeout_s, results)
+    else:
+        await asyncio.gather(*(_run_lane(c, lane, ops, timeout_s, results) for c, lane in busy))
+    return results
+
+
+def _stripe(conns: list[ClientConnection], ops: list[WireOp]) -> list[list[int]]:
+    """Op indices per connection: biggest first onto the least loaded, each
+    lane in submission order. Other submits' unanswered bytes count as load."""
+    load = [c.outstanding_bytes for c in conns]
     lanes: list[list[int]] = [[] for _ in conns]
+    if len(ops) == 1:
+        lanes[load.index(min(load))].append(0)
+        return lanes
     for i in sorted(range(len(ops)), key=lambda i: -ops[i].length):
         k = load.index(min(load))
         load[k] += ops[i].length
         lanes[k].append(i)
-    results: list[BaseException | bytes | None] = [None] * len(ops)
-    await asyncio.gather(
-        *(_run_lane(c, sorted(lane), ops, timeout_s, results) for c, lane in zip(conns, lanes, strict=True) if lane)
-    )
-    return results
+    for lane in lanes:
+        lane.sort()
+    return lanes
 
 
 async def _run_lane(
@@ -116,6 +143,9 @@ async def _run_lane(
     timeout_s: float,
     results: list[BaseException | bytes | None],
 ) -> None:
+    if len(lane) == 1:
+        results[lane[0]] = await _run_one(conn, ops[lane[0]], timeout_s)
+        return
     futures: list[asyncio.Future[bytes | None]] = []
     try:
         await conn.send([ops[i] for i in lane], timeout_s, futures)
@@ -130,38 +160,65 @@ async def _run_lane(
         raise
 
 
+async def _run_one(conn: ClientConnection, op: WireOp, timeout_s: float) -> BaseException | bytes | None:
+    """One op on one connection: its result or error. Handed to the transport
+    right here when the connection is idle (no lock, no extra coroutine)."""
+    sent: list[asyncio.Future[bytes | None]] = []
+    try:
+        future = conn.send_now(op, timeout_s)
+        if future is None:  # another sender is mid-way, or paced: queue behind it
+            await conn.send([op], timeout_s, sent)
+        else:
+            sent.append(future)
+        return await sent[0]
+    except TransferError as e:
+        return e
+    except BaseException:
+        if sent:  # the request is on the wire: its answer would land in memory the caller gave up on
+            conn.abort(PeerUnavailableError(f"a transfer to {conn.peer} was cancelled mid-flight"))
+        raise
+
+
+def _wire_op(regions: RegionTable, op: TransferOp) -> WireOp:
+    """The request for a TransferOp; payload/dest are views of the local region."""
+    view = regions.lookup(op.local_region, op.local_offset, op.length).slice_view(op.local_offset, op.length)
+    write = op.op == "write"
+    return WireOp(
+        Op.WRITE if write else Op.READ,
+        op.remote_region.encode("utf-8"),
+        op.remote_offset,
+        op.length,
+        payload=view if write else None,
+        dest=None if write else view,
+    )
+
+
 async def run_tcp(
     pool: PeerPool, regions: RegionTable, ops: list[TransferOp], timeout_s: float
 ) -> list[BaseException | None]:
     """Move TransferOps over tcp; one outcome per op (None or its error)."""
-    wire: list[WireOp] = []
-    for op in ops:
-        view = regions.lookup(op.local_region, op.local_offset, op.length).slice_view(op.local_offset, op.length)
-        write = op.op == "write"
-        wire.append(
-            WireOp(
-                Op.WRITE if write else Op.READ,
-                op.remote_region.encode("utf-8"),
-                op.remote_offset,
-                op.length,
-                payload=view if write else None,
-                dest=None if write else view,
-            )
-        )
-    outcomes = await run_ops(pool, wire, timeout_s)
-    tally: Tally[tuple[str, bool]] = Tally()
-    sent = received = 0
-    results: list[BaseException | None] = []
-    for op, outcome in zip(ops, outcomes, strict=True):
-        ok = not isinstance(outcome, BaseException)
-        results.append(None if ok else outcome)  # type: ignore[arg-type]
-        tally[op.op, ok] += 1
-        if ok and op.op == "write":
-            sent += op.length
-        elif ok:
-            received += op.length
-    metrics.count_batch("tcp", "initiator", tally, sent, received)
+    if len(ops) == 1:
+        return [await run_one_tcp(pool, regions, ops[0], timeout_s)]
+    outcomes = await run_ops(pool, [_wire_op(regions, op) for op in ops], timeout_s)
+    results: list[BaseException | None] = [o if isinstance(o, BaseException) else None for o in outcomes]
+    metrics.count_initiated("tcp", ops, [r is None for r in results])
     return results
+
+
+async def run_one_tcp(pool: PeerPool, regions: RegionTable, op: TransferOp, timeout_s: float) -> BaseException | None:
+    """One TransferOp over tcp (a single put/get): its outcome, as run_tcp
+    gives for a batch of one, without the batch's lists and striping."""
+    wire = _wire_op(regions, op)
+    conns = pool.ready() or await pool.connections()
+    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
+    outcome = await _run_one(conn, wire, timeout_s)
+    error = outcome if isinstance(outcome, BaseException) else None
+    metrics.count_initiated("tcp", (op,), (error is None,))
+    return error
+
+
+def _outstanding(conn: ClientConnection) -> int:
+    return conn.outstanding_bytes
 
 
 async def fetch_info(pool: PeerPool, timeout_s: float) -> PeerInfo:

@@ -1,0 +1,279 @@
+"""The single-op path (one put/get = submit([one op])) against a real peer in
+another process: bytes land, errors keep their types, dead peers and stalls
+fail within the deadline, cancellation aborts, many concurrent single ops
+share connections, and a dropped shm region is noticed across processes.
+
+submit() runs a batch of one in the caller's task and, on tcp, hands the
+request to an idle connection without its send lock, so these go through
+that path; batches are covered by test_transfer.py. Processes are spawned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+from transfer_helpers import PeerProcess, closed_port, digest, rand_bytes, run_uv
+
+from mooncaked.transfer import (
+    OutOfBoundsError,
+    PeerUnavailableError,
+    TransferEngine,
+    TransferOp,
+    TransferTimeoutError,
+    UnknownRegionError,
+)
+from mooncaked.transfer.shm import SHM_DIR, SHM_PREFIX, ShmAttachments
+
+KiB, MiB = 1024, 1024 * 1024
+SLOT = 512 * KiB  # the store's object size in the latency benchmark
+
+
+
+
+
+
+def _peer_main(pipe: Connection, backend: str, nbytes: int) -> None:
+    """A transfer peer in its own process, driven over a pipe."""
+
+    async def main() -> None:
+        engine = TransferEngine(backend=backend)
+        regions = {"dst": engine.alloc_region("dst", nbytes)}
+        pipe.send(await engine.start())
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, pipe.recv)
+            if cmd == "stop":
+                break
+            if cmd == "digest":
+                off, n = args
+                pipe.send(digest(regions["dst"][off : off + n]))
+            elif cmd == "fill":
+                off, n, seed = args
+                regions["dst"][off : off + n].copy_(rand_bytes(n, seed))
+                pipe.send(True)
+            elif cmd == "unregister":
+                engine.unregister("dst")
+                pipe.send(True)
+            elif cmd == "realloc":
+                regions["dst"] = engine.alloc_region("dst", args[0])
+                pipe.send(True)
+        await engine.close()
+
+    uvloop.run(main())
+
+
+def Peer(backend: str, nbytes: int) -> PeerProcess:  # noqa: N802 - reads as the handle it makes
+    return PeerProcess(_peer_main, backend, nbytes)
+
+
+@pytest.fixture(params=["tcp", "auto"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def peer(backend: str) -> Any:
+    p = Peer(backend, 8 * MiB)
+    yield p
+    p.stop()
+
+
+@pytest.mark.timeout(90)
+def test_single_ops_land_and_read_back(backend: str, peer: Peer) -> None:
+    async def body() -> None:
+        engine = TransferEngine(backend=backend)
+        try:
+            src = engine.alloc_region("src", 4 * MiB)
+            src.copy_(rand_bytes(src.numel(), 1))
+            back = engine.alloc_region("back", 4 * MiB)
+            for i, size in enumerate((SLOT, 1, 4 * KiB + 3, 64 * KiB, 2 * MiB)):  # around the answer-now size
+                at = i * SLOT
+                await engine.submit([TransferOp("write", "src", at, peer.address, "dst", at, size)])
+                assert peer.ask("digest", at, size) == digest(src[at : at + size]), size
+                await engine.submit([TransferOp("read", "back", at, peer.address, "dst", at, size)])
+                assert torch.equal(back[at : at + size], src[at : at + size]), size
+            await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, 0)])  # a legal no-op
+            assert peer.ask("fill", 0, SLOT, 2)
+            await engine.submit([TransferOp("read", "back", 0, peer.address, "dst", 0, SLOT)])
+            assert digest(back[:SLOT]) == peer.ask("digest", 0, SLOT)
+        finally:
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_single_op_errors_keep_their_types(backend: str, peer: Peer) -> None:
+    async def body() -> None:
+        engine = TransferEngine(backend=backend)
+        try:
+            src = engine.alloc_region("src", MiB)
+            src.copy_(rand_bytes(MiB, 3))
+            with pytest.raises(UnknownRegionError, match="'nope'"):
+                await engine.submit([TransferOp("write", "src", 0, peer.address, "nope", 0, SLOT)])
+            with pytest.raises(UnknownRegionError, match="'nope'"):
+                await engine.submit([TransferOp("read", "src", 0, peer.address, "nope", 0, 10)])
+            with pytest.raises(OutOfBoundsError, match="dst"):
+                await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 8 * MiB - 10, 11)])
+            with pytest.raises(UnknownRegionError, match="local region 'ghost'"):
+                await engine.submit([TransferOp("write", "ghost", 0, peer.address, "dst", 0, 1)])
+            # the path is still good after each failure
+            await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, MiB)])
+            assert peer.ask("digest", 0, MiB) == digest(src)
+        finally:
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_many_concurrent_single_ops(peer: Peer, backend: str) -> None:
+    """Single ops from many tasks at once share the pool's connections: some
+    find a connection idle, others queue behind a sender; all land."""
+
+    async def body() -> None:
+        for conns in (1, 4):
+            engine = TransferEngine(backend=backend, connections_per_peer=conns)
+            try:
+                n = 16  # 16 x 512 KiB = the peer's 8 MiB
+                src = engine.alloc_region("src", n * SLOT)
+                src.copy_(rand_bytes(src.numel(), 4 + conns))
+                back = engine.alloc_region("back", n * SLOT)
+                writes = [TransferOp("write", "src", i * SLOT, peer.address, "dst", i * SLOT, SLOT) for i in range(n)]
+                await asyncio.gather(*(engine.submit([op]) for op in writes))
+                assert peer.ask("digest", 0, n * SLOT) == digest(src)
+                reads = [TransferOp("read", "back", i * SLOT, peer.address, "dst", i * SLOT, SLOT) for i in range(n)]
+                await asyncio.gather(*(engine.submit([op]) for op in reads))
+                assert torch.equal(back, src)
+            finally:
+                await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_single_op_to_dead_or_stalled_peer_fails_in_time(backend: str) -> None:
+    async def body() -> None:
+        engine = TransferEngine(backend=backend, connections_per_peer=1, connect_timeout_s=2)
+        blackhole = socket.create_server(("127.0.0.1", 0))  # accepts (kernel backlog), never answers
+        hole = f"127.0.0.1:{blackhole.getsockname()[1]}"
+        try:
+            engine.alloc_region("src", 4 * MiB)
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnavailableError, match="cannot connect"):
+                await engine.submit([TransferOp("write", "src", 0, f"127.0.0.1:{closed_port()}", "dst", 0, SLOT)])
+            assert time.monotonic() - t0 < 3
+            # the engine's first question to a peer (tcp: the op itself; auto: the control query) hits the deadline
+            waiting_for_answer = TransferOp("read", "src", 0, hole, "dst", 0, SLOT)
+            stuck_sending = TransferOp("write", "src", 0, hole, "dst", 0, 4 * MiB)
+            for op in (waiting_for_answer, stuck_sending):
+                t0 = time.monotonic()
+                with pytest.raises(TransferTimeoutError, match="deadline"):
+                    await engine.submit([op], timeout_s=0.5)
+                assert time.monotonic() - t0 < 3
+            assert engine.stats().outgoing_connections[hole] == 0  # aborted, nothing left in flight
+        finally:
+            blackhole.close()
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_single_op_after_peer_died_raises_unavailable() -> None:
+    """tcp only: over shm a killed peer's segment (never unlinked) still takes copies."""
+    peer = Peer("tcp", 8 * MiB)
+
+    async def body() -> None:
+        engine = TransferEngine()
+        try:
+            engine.alloc_region("src", MiB)
+            await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, SLOT)])
+            peer.proc.kill()
+            peer.proc.join(10)
+            for kind in ("write", "read"):
+                op = TransferOp(kind, "src", 0, peer.address, "dst", 0, SLOT)  # type: ignore[arg-type]
+                t0 = time.monotonic()
+                with pytest.raises(PeerUnavailableError):
+                    await engine.submit([op], timeout_s=2)
+                assert time.monotonic() - t0 < 4
+        finally:
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_cancelled_single_read_aborts_its_connection() -> None:
+    async def body() -> None:
+        engine = TransferEngine(connections_per_peer=1)
+        blackhole = socket.create_server(("127.0.0.1", 0))
+        hole = f"127.0.0.1:{blackhole.getsockname()[1]}"
+        try:
+            engine.alloc_region("src", MiB)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(engine.submit([TransferOp("read", "src", 0, hole, "dst", 0, SLOT)]), 0.3)
+            assert engine.stats().outgoing_connections[hole] == 0
+        finally:
+            blackhole.close()
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_dropped_shm_region_of_another_process_is_noticed() -> None:
+    """The peer drops its region (and makes a new one under the same name):
+    the next single op must not land in the dead segment we still map."""
+    peer = Peer("shm", 2 * MiB)
+
+    async def body() -> None:
+        engine = TransferEngine(backend="shm")
+        try:
+            src = engine.alloc_region("src", 2 * MiB)
+            src.copy_(rand_bytes(2 * MiB, 6))
+            await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, SLOT)])
+            assert peer.ask("digest", 0, SLOT) == digest(src[:SLOT])
+            assert peer.ask("unregister")
+            with pytest.raises(UnknownRegionError, match="'dst'"):
+                await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, SLOT)])
+            assert peer.ask("realloc", MiB)
+            await engine.submit([TransferOp("write", "src", SLOT, peer.address, "dst", 0, SLOT)])
+            assert peer.ask("digest", 0, SLOT) == digest(src[SLOT : 2 * SLOT])  # in the new segment
+            with pytest.raises(OutOfBoundsError, match="dst"):  # and with the new size
+                await engine.submit([TransferOp("write", "src", 0, peer.address, "dst", 0, 2 * MiB)])
+        finally:
+            await engine.close()
+
+    try:
+        run_uv(body())
+    finally:
+        peer.stop()
+
+
+def test_segment_without_trailer_falls_back_to_its_name() -> None:
+    """A segment made by an owner without the liveness trailer is still
+    mapped, and its removal is noticed by asking the filesystem."""
+    name = f"{SHM_PREFIX}{os.getpid()}-legacy"
+    path = os.path.join(SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(b"\x07" * 10_000)
+    attachments = ShmAttachments()
+    try:
+        att = attachments.get(name, 10_000)
+        assert att.trailer is None and att.tensor.numel() == 10_000 and int(att.tensor[5]) == 7
+        assert attachments.alive(name)
+        os.unlink(path)
+        assert not attachments.alive(name)
+    finally:
+        attachments.close()
+        if os.path.exists(path):
+            os.unlink(path)
