@@ -244,7 +244,9 @@ class RoleConfig:
                                    "HOST:PORT of the conductor's gRPC server (where engines register)",
                                    "HOST:PORT")
     store: HostPort | None = _setting(None, _optional(_address(listening=False)),
-                                      "HOST:PORT of the store master (none: no shared KV pool)", "HOST:PORT")
+                                      "HOST:PORT of the store master: engines share its KV pool, the conductor "
+                                      "follows its pool events in the prefix index (none: no shared KV pool)",
+                                      "HOST:PORT")
     block_size: int = _setting(16, _at_least(_int, 1), "tokens per KV block (one value per cluster)", "N")
     hash_seed: int = _setting(0, _at_least(_int, 0), "seed of the block hash chain (one value per cluster)", "N")
     cache_dir: str | None = _setting(None, _optional(_str),
@@ -404,6 +406,9 @@ class StorePolicyConfig(RoleConfig):
     store_lease_s: float = _setting(5.0, _at_least(_float, 0, strict=True),
                                     "seconds a read lease keeps an object from eviction", "S")
     store_high_watermark: float = _setting(0.9, _fraction, "DRAM use above which objects are demoted to LMDB", "F")
+    store_fast_path_port: int = _setting(0, _at_least(_int, -1),
+                                         "port of the master's fast path for metadata calls, on its listen host "
+                                         "(0: any free port, told to clients by Describe; -1: off, gRPC only)", "N")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -194,3 +194,12 @@ def test_parse_hostport():
     for bad in ["host", ":80", "host:", "host:x", "host:65536", "::1:80", "[zz]:80", "a b:1", "[::1]80"]:
         with pytest.raises(ValueError):
             parse_hostport(bad)
+
+
+def test_all_role_tells_its_conductor_where_the_store_master_is():
+    from mooncaked.roles.all_role import child_configs
+
+    children = {c.role: c for c in child_configs(AllConfig(listen="127.0.0.1:50051"))}
+    assert children["conductor"].store == children["store"].listen == children["prefill"].store
+    given = {c.role: c for c in child_configs(AllConfig(listen="127.0.0.1:50051", store="10.0.0.2:50052"))}
+    assert "store" not in given and given["conductor"].store == HostPort("10.0.0.2", 50052)

@@ -267,6 +267,7 @@ async def test_kv_indexer_query_register_unregister(cluster, http):
     p1 = answer["default"]["p1"]
     assert p1["longest_matched"] == 12 and p1["CPU"] == 12 and p1["GPU"] == 0 and p1["DP"] == {"0": 12}
     assert "d1" in answer["default"]
+    assert "store" not in answer["default"], "a conductor without a store master lists no pool"
     async with http.post("/query", json={**q, "token_ids": [9] + ids[1:]}) as r:
         assert (await r.json())["default"]["p1"]["longest_matched"] == 0
     hashes = block_hashes(ids, 4)
@@ -281,6 +282,7 @@ async def test_kv_indexer_query_register_unregister(cluster, http):
     reg = {"endpoint": "tcp://10.0.0.9:5557", "type": "vLLM", "modelname": model, "instance_id": "ext-1",
            "block_size": 4, "dp_rank": 0}
     for bad, param in (({**reg, "block_size": 8}, "block_size"), ({**reg, "instance_id": "p1"}, "instance_id"),
+                       ({**reg, "instance_id": "store"}, "instance_id"),  # the KV pool's name in the index
                        ({k: v for k, v in reg.items() if k != "endpoint"}, "endpoint"),
                        ({**reg, "dp_rank": -1}, "dp_rank"), ({**reg, "modelname": "x"}, "modelname")):
         async with http.post("/register", json=bad) as r:

@@ -28,6 +28,7 @@ class Hooks:
         self.tasks: list[Task] = []
         self.settled: list[tuple[int, bool]] = []
         self.dropped: list[str] = []
+        self.events: list[tuple[str, str, str]] = []  # (kind, key, medium) in order
 
     def send_task(self, task: Task) -> None:
         self.tasks.append(task)
@@ -37,6 +38,9 @@ class Hooks:
 
     def client_dropped(self, client_id: str) -> None:
         self.dropped.append(client_id)
+
+    def pool_event(self, kind: str, keys, medium: str) -> None:
+        self.events.extend((kind, k, medium) for k in keys)
 
 
 def dram(name: str, capacity: int) -> SegmentSpec:
@@ -326,3 +330,214 @@ def test_evacuate_demotes_only_copies_and_ignores_leases():
         m.evacuate("B", "a-lmdb")
     with pytest.raises(InvalidArgument):
         m.evacuate("A", "a-lmdb")
+
+
+# -- pool events (what WatchPool subscribers, e.g. the conductor's prefix index, hear) ------------------
+def test_pool_events_for_commit_and_remove_only():
+    m, clock, hooks = make(put_timeout_s=2.0)
+    m.mount("A", dram("a", 64 * KiB))
+    m.put_start("k", 100, 7)
+    assert hooks.events == [], "an uncommitted object is not readable: no event"
+    m.put_end("k")
+    m.put_end("k")  # a repeated commit says nothing new
+    assert hooks.events == [("stored", "k", "dram")]
+    m.put_start("r", 100, 7)
+    m.put_revoke("r")
+    m.put_start("stale", 100, 7)
+    clock.t += 3
+    m.ping("A")
+    m.tick()
+    assert m.put_start("k", 100, 7).exists and hooks.events == [("stored", "k", "dram")], \
+        "revoked, stale and duplicate puts are never announced"
+    assert m.remove(["k", "nope"]) == 1 and m.remove(["k"]) == 0
+    assert hooks.events[1:] == [("removed", "k", "")]
+
+
+def test_pool_events_for_eviction_without_lmdb():
+    m, _, hooks = make(high_watermark=0.5, evict_fraction=0.25)
+    m.mount("A", dram("a", 64 * KiB))
+    for i in range(6):
+        put(m, f"k{i}", 8 * KiB)
+    gone = [k for kind, k, _ in hooks.events if kind == "removed"]
+    assert gone and all(not m.exist(k) for k in gone)
+    assert {k for kind, k, _ in hooks.events if kind == "stored"} == {f"k{i}" for i in range(6)}
+    assert {f"k{i}" for i in range(6) if m.exist(f"k{i}")} == {f"k{i}" for i in range(6)} - set(gone)
+
+
+def test_pool_events_for_demotion_promotion_and_a_corrupt_lmdb_value():
+    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    for i in range(5):
+        put(m, f"k{i}", 8 * KiB)
+    assert hooks.events == [("stored", f"k{i}", "dram") for i in range(5)], "ordering a demotion changes nothing yet"
+    del hooks.events[:]
+    demotes = [t for t in hooks.tasks if t.kind == "demote"]
+    m.task_done("A", [(t.task_id, True, "") for t in demotes])
+    assert hooks.events == [("stored", k, "lmdb") for k in ("k0", "k1", "k2")], "LMDB only now"
+    del hooks.events[:]
+    pending = m.get_replicas("k0")
+    assert hooks.events == [], "a promotion in flight is not yet a DRAM copy"
+    m.task_done("A", [(pending.task_id, True, "")])
+    assert hooks.events == [("stored", "k0", "dram")]
+    pending = m.get_replicas("k1")
+    m.task_done("A", [(pending.task_id, False, "checksum mismatch")])
+    assert hooks.events[1:] == [("removed", "k1", "")]
+
+
+def test_pool_events_for_a_demotion_under_a_lease():
+    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    put(m, "k", 8 * KiB)
+    m.evacuate("A", "a")
+    m.get_replicas("k")  # leased: its DRAM copy outlives the demotion
+    m.task_done("A", [(t.task_id, True, "") for t in hooks.tasks if t.kind == "demote"])
+    assert hooks.events == [("stored", "k", "dram")], "still readable from DRAM"
+    m.unmount("A", "a")
+    assert hooks.events[1:] == [("stored", "k", "lmdb")], "its DRAM copy went with the segment"
+
+
+def test_pool_events_for_unmount_dead_client_and_remount():
+    m, clock, hooks = make(client_ttl_s=3.0, replicas=2)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("B", dram("b", 64 * KiB))
+    put(m, "both")
+    put(m, "onlyb", preferred="b", replicas=1)
+    put(m, "onlya", preferred="a", replicas=1)
+    del hooks.events[:]
+    clock.t += 2
+    m.ping("A")
+    clock.t += 2
+    m.tick()  # B is silent: dead
+    assert hooks.events == [("removed", "onlyb", "")], "a copy that survives elsewhere is still readable"
+    assert m.unmount("A", "a") == 2
+    assert sorted(hooks.events[1:]) == [("removed", "both", ""), ("removed", "onlya", "")]
+    del hooks.events[:]
+    recs = [ObjectRecord("x", 0, 500, 11), ObjectRecord("y", 0, 500, 12)]
+    assert m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs) == (2, [])
+    assert hooks.events == [("stored", "x", "lmdb"), ("stored", "y", "lmdb")]
+    del hooks.events[:]
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs[:1])  # remounted with y gone from the disk
+    assert hooks.events == [("removed", "x", ""), ("removed", "y", ""), ("stored", "x", "lmdb")]
+    assert m.exist("x") and not m.exist("y")
+
+
+def test_pool_events_replayed_always_equal_what_the_master_holds():
+    """Random puts, reads, removes, tier moves (some failing), timeouts, deaths and remounts: the
+    key -> medium map rebuilt from the events alone matches the master after every step."""
+    rng = random.Random(11)
+    m, clock, hooks = make(lease_s=0.5, high_watermark=0.6, evict_fraction=0.2, client_ttl_s=3.0,
+                           task_timeout_s=1.0, put_timeout_s=1.0, replicas=2)
+    seen: dict[str, str] = {}
+    applied = 0
+
+    def check() -> None:
+        nonlocal applied
+        for kind, key, medium in hooks.events[applied:]:
+            if kind == "stored":
+                seen[key] = medium
+            else:
+                assert seen.pop(key, None) is not None, f"removed {key} that was never stored"
+        applied = len(hooks.events)
+        truth = {k: m.medium_of(o) for k, o in m.objects.items() if o.committed}
+        assert seen == truth
+
+    def mount(client: str) -> None:
+        m.mount(client, dram(f"{client}-dram", 64 * KiB))
+        m.mount(client, SegmentSpec(f"{client}-lmdb", "lmdb", 256 * KiB))
+
+    for c in "ABC":
+        mount(c)
+    for _ in range(3000):
+        op = rng.random()
+        key = f"k{rng.randrange(60)}"
+        try:
+            if op < 0.35:
+                plan = m.put_start(key, rng.choice((2, 4, 8)) * KiB, 7)
+                if not plan.exists and rng.random() < 0.9:
+                    m.put_end(key)
+            elif op < 0.55:
+                m.get_replicas(key)
+            elif op < 0.62:
+                m.remove([key])
+            elif op < 0.85:
+                open_tasks = list(m.tasks.values())
+                for t in rng.sample(open_tasks, min(len(open_tasks), 3)):
+                    error = rng.choice(("", "", "", "checksum mismatch", "disk full"))
+                    m.task_done(t.client_id, [(t.task_id, not error, error)])
+            elif op < 0.97:
+                clock.t += rng.uniform(0.05, 0.6)
+                for c in "ABC":
+                    if c in m.clients and rng.random() < 0.97:
+                        m.ping(c)
+                m.tick()
+            else:
+                c = rng.choice("ABC")
+                if c not in m.clients:
+                    mount(c)
+                elif rng.random() < 0.5:
+                    m.unmount(c, f"{c}-dram")
+                    m.mount(c, dram(f"{c}-dram", 64 * KiB))
+                else:
+                    m.drop_client(c, "test")
+        except (NoRoom, NotFound, FailedPrecondition):
+            pass
+        check()
+    assert any(k == "stored" and md == "lmdb" for k, _, md in hooks.events), "no demotion happened"
+    assert any(k == "removed" for k, _, _ in hooks.events)
+
+
+# -- places reserved ahead ------------------------------------------------------------------------
+def test_reserved_places_commit_under_their_key_and_lapse_unused():
+    m, clock, hooks = make(put_timeout_s=2.0, replicas=2)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("B", dram("b", 64 * KiB))
+    places = m.reserve(8 * KiB, 3, first_evicts=True)
+    assert len(places) == 3
+    for _, plan in places:  # each place has its two copies on distinct segments
+        assert sorted(p.segment.name for p in plan.replicas) == ["a", "b"]
+    assert m.segments["a"].used == 24 * KiB and not m.exist("k")
+    (r1, plan1), (r2, _), (r3, _) = places
+    assert m.put_reserved(r1, "k", checksum=99)
+    view = m.get_replicas("k")
+    assert isinstance(view, ObjectView) and view.checksum == 99
+    assert sorted((p.segment.name, p.replica.offset) for p in view.replicas) == \
+        sorted((p.segment.name, p.replica.offset) for p in plan1.replicas)
+    assert hooks.events == [("stored", "k", "dram")]
+    # a key already in the pool: the place is given back, and the answer is "in the pool"
+    assert m.put_reserved(r2, "k", checksum=5)
+    assert m.get_replicas("k").checksum == 99 and m.segments["a"].used == 16 * KiB
+    assert not m.put_reserved(r2, "k2", checksum=5), "a used place is gone"
+    assert not m.put_reserved(12345, "k2", checksum=5), "an unknown place is refused, not guessed"
+    # an unused place lapses after put_timeout_s like a PutStart, without counting as a stale put
+    clock.t += 2.5
+    for c in ("A", "B"):
+        m.ping(c)
+    m.tick()
+    assert not m.put_reserved(r3, "late", checksum=1)
+    assert m.segments["a"].used == 8 * KiB and m.segments["b"].used == 8 * KiB
+    assert [e for e in hooks.events if e[1] != "k"] == [], "reserved places are never announced"
+    with pytest.raises(InvalidArgument, match="reserved places"):
+        m.put_start("\x00reserved/1", 10, 0)
+    with pytest.raises(InvalidArgument, match="count"):
+        m.reserve(10, 0)
+
+
+def test_places_reserved_ahead_never_push_objects_out():
+    m, _, _ = make(high_watermark=0.9)
+    m.mount("A", dram("a", 32 * KiB))
+    for i in range(3):
+        put(m, f"k{i}", 8 * KiB)
+    got = m.reserve(8 * KiB, 4, first_evicts=False)
+    assert len(got) == 1, "only the free 8 KiB is taken"
+    assert all(m.exist(f"k{i}") for i in range(3))
+    with pytest.raises(NoRoom):
+        m.reserve(8 * KiB, 4, first_evicts=False)
+    assert all(m.exist(f"k{i}") for i in range(3)), "a refill evicted an object"
+    assert m.revoke_reserved(got[0][0]) and not m.revoke_reserved(got[0][0])
+    # a place for a put in hand evicts as its PutStart would: the LRU object goes (and the round of
+    # eviction above the watermark that follows leaves free space the place after it may take)
+    put(m, "k3", 8 * KiB)
+    first = m.reserve(8 * KiB, 2, first_evicts=True)
+    assert first and not m.exist("k0") and m.exist("k3")

@@ -9,25 +9,15 @@ import os
 import grpc
 import pytest
 from prometheus_client import REGISTRY
+from store_helpers import client, start
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc, transfer_pb2
-from mooncaked.store import Policy, StoreClient, StoreClientConfig, checksum
-from mooncaked.store.service import MasterRunner
+from mooncaked.store import checksum
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(60)
 
 
-async def start(**policy) -> tuple[MasterRunner, str]:
-    runner = MasterRunner(Policy(**policy), "127.0.0.1:0", tick_s=0.05)
-    port = await runner.start()
-    return runner, f"127.0.0.1:{port}"
-
-
-async def client(master: str, name: str, **kw) -> StoreClient:
-    c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw))
-    await c.start()
-    return c
 
 
 def metric(name: str, **labels: str) -> float:

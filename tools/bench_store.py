@@ -5,7 +5,9 @@ Layout, for both systems: a master process; an owner process that lends the memo
 StoreClient with a DRAM segment / a MooncakeDistributedStore with a global segment); and a
 driver process, which lends nothing, that puts N objects and gets them back, so every byte
 crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency) and
-batched put and get (MB/s). Both use TCP on loopback.
+batched put and get (MB/s). Mooncake uses TCP on loopback; our rows: TCP, shared memory
+(backend auto, what two engines on one host use), and TCP with the metadata calls over gRPC
+instead of the master's fast path (what the fast path buys).
 
 The baseline is `mooncake-transfer-engine`'s `MooncakeDistributedStore` with its
 `mooncake_master` (`pip install mooncake-transfer-engine-non-cuda` on a host without CUDA:
@@ -85,13 +87,14 @@ def _our_owner(pipe: Connection, master: str, dram_bytes: int, backend: str) -> 
     uvloop.run(main())
 
 
-def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, backend: str) -> None:
+def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, backend: str, fast_path: bool) -> None:
     import uvloop
 
     from mooncaked.store import StoreClient, StoreClientConfig
 
     async def main() -> dict[str, Any]:
         client = StoreClient(StoreClientConfig(master=master, client_id="bench-driver", transfer_backend=backend,
+                                               fast_path=fast_path,
                                                staging_bytes=max(64 * MiB, 2 * batch * size)))
         await client.start()
         data = payloads(n, size)
@@ -133,7 +136,7 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         pipe.send(f"{type(e).__name__}: {e}")
 
 
-def bench_ours(n: int, size: int, batch: int, backend: str = "tcp") -> dict[str, Any]:
+def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: bool = True) -> dict[str, Any]:
     port = free_port()
     master = subprocess.Popen([sys.executable, "-c", _MASTER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
                               text=True, cwd=ROOT)
@@ -150,7 +153,8 @@ def bench_ours(n: int, size: int, batch: int, backend: str = "tcp") -> dict[str,
         if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
             raise RuntimeError("our owner process did not start")
         driver_pipe, child = CTX.Pipe()
-        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend), daemon=True)
+        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend, fast_path),
+                             daemon=True)
         driver.start()
         if not driver_pipe.poll(300):
             raise RuntimeError("our driver did not finish")
@@ -295,7 +299,8 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0]}
 
 
-SYSTEMS = {"ours": "tcp", "ours_shm": "auto"}  # our rows: the tcp backend, and auto (shm between processes)
+# our rows: (transfer backend, metadata on the master's fast path); auto = shm between processes on one host
+SYSTEMS = {"ours": ("tcp", True), "ours_shm": ("auto", True), "ours_grpc": ("tcp", False)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     why = mooncake_unavailable()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SYSTEMS, "mooncake")}
     for _ in range(reps):
-        for name, backend in SYSTEMS.items():
-            runs[name].append(bench_ours(n, size, args.batch, backend))
+        for name, (backend, fast_path) in SYSTEMS.items():
+            runs[name].append(bench_ours(n, size, args.batch, backend, fast_path))
         if why is None:
             try:
                 runs["mooncake"].append(bench_mooncake(n, size, args.batch))
@@ -322,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 why = f"{type(e).__name__}: {e}"
     out: dict[str, Any] = {"object_bytes": size, "objects": n, "batch": args.batch, "reps": reps,
                            "transport": {"ours": "tcp loopback", "ours_shm": "shared memory (backend auto)",
+                                         "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
                                          "mooncake": "tcp loopback"}}
     for name in SYSTEMS:
         out[name] = best(runs[name])
@@ -338,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print(f"{n} objects of {size // 1024} KiB, batches of {args.batch}, best of {reps}; "
-          "ours over tcp and over shm (auto), Mooncake over tcp; ratio = MB/s ours / Mooncake")
-    print(f"{'row':<10} {'system':<9} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
+          "ours over tcp, over shm (auto) and over tcp with gRPC metadata; Mooncake over tcp; "
+          "ratio = MB/s ours / Mooncake")
+    print(f"{'row':<10} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
     for row in ("put", "get", "batch_put", "batch_get"):
         for name in (*SYSTEMS, "mooncake"):
             r = out[name][row] if out.get(name) else None
@@ -348,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in SYSTEMS else ""
             p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
-            print(f"{row:<10} {name:<9} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
+            print(f"{row:<10} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
     if out["mooncake"] is None:
         print(out["baseline"])
     return 0

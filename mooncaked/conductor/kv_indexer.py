@@ -8,6 +8,8 @@ and how many of those tokens sit in each tier (GPU = HBM, CPU = DRAM, DISK = LMD
 is not one of our instances) announce itself; ``/events`` (ours, RFC #1527 field names) lets
 it report what it stores, and from then on it appears in ``/query`` answers. Our own
 instances are the ``default`` tenant, DP rank 0; their blocks arrive through heartbeats.
+With a store master configured, the Mooncake Store pool is one more instance of that
+tenant, ``store`` (CPU = its DRAM, DISK = its LMDB tier), fed by the master's pool events.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.conductor.openai_schema import ApiError, bad
+from mooncaked.conductor.prefix_index import POOL_HOLDER
 from mooncaked.conductor.registry import DEAD
 from mooncaked.hashing import block_hashes
 
@@ -148,6 +151,8 @@ class KVIndexer:
         if tenant == DEFAULT_TENANT:
             out += [(name, name, 0) for name, inst in sorted(self.service.registry.instances.items())
                     if inst.state != DEAD]
+            if getattr(self.service, "watches_pool", False):
+                out.append((POOL_HOLDER, POOL_HOLDER, 0))
         out += [(s.instance_id, s.key, s.dp_rank) for s in self.sources.values() if s.tenant_id == tenant]
         return out
 
@@ -160,9 +165,9 @@ class KVIndexer:
         instance_id = _str(body, "instance_id", required=True)
         if "|" in instance_id:
             raise bad("instance_id must not contain '|'", "instance_id")
-        if instance_id in self.service.registry.instances:
-            raise bad(f"{instance_id!r} is one of this cluster's own instances, which report through "
-                      "heartbeats; pick another instance_id", "instance_id")
+        if instance_id in self.service.registry.instances or instance_id == POOL_HOLDER:
+            raise bad(f"{instance_id!r} is one of this cluster's own instances (or its KV pool), which report "
+                      "by themselves; pick another instance_id", "instance_id")
         dp = body.get("dp_rank")
         if not _is_int(dp) or dp < 0:
             raise bad("dp_rank must be an integer >= 0", "dp_rank")

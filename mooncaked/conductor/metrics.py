@@ -51,6 +51,13 @@ ROUTED_INFLIGHT = Gauge("mooncaked_conductor_instance_inflight", "Requests the c
 FREE_KV_BLOCKS = Gauge("mooncaked_conductor_instance_free_kv_blocks", "Free KV blocks on an instance.",
                        ["instance", "role"])
 INDEX_ENTRIES = Gauge("mooncaked_conductor_prefix_index_entries", "Block hashes in the global prefix index.")
+POOL_EVENTS = Counter("mooncaked_conductor_pool_events",
+                      "Block hashes the store master reported stored in (or removed from) the KV pool, by kind "
+                      "(the snapshot after each subscription counts as stored).", ["kind"])
+POOL_WATCH_UP = Gauge("mooncaked_conductor_pool_watch_up",
+                      "1 while the conductor follows the store master's pool events (snapshot applied), else 0.")
+POOL_WATCH_LOSSES = Counter("mooncaked_conductor_pool_watch_losses",
+                            "Times the pool event stream was lost (its blocks then leave the prefix index).")
 
 _PER_INSTANCE = (QUEUED_PREFILL_TOKENS, RUNNING, WAITING, ROUTED_INFLIGHT, FREE_KV_BLOCKS)
 

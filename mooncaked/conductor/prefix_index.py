@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 # Media from fastest to slowest: a pull prefers the fastest holder of a block.
 MEDIA_ORDER: dict[str, int] = {"hbm": 0, "dram": 1, "lmdb": 2}
 SLOW_MEDIA = frozenset({"lmdb"})
+POOL_HOLDER = "store"
+"""The holder name of blocks in the Mooncake Store pool (fed by the store master's pool events, with
+medium "dram" or "lmdb"); no instance may register under it."""
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,9 @@ class Decision:
     """Where the request goes and how much of its prefix is reused, and from where.
 
     ``reuse_blocks`` leading blocks are not recomputed: ``local_blocks`` of them are already
-    in the prefill instance's cache, the rest are pulled from ``pull_from`` (a holder name,
-    "pool" for the store) before the prefill. ``replicate`` asks the prefill instance to keep
+    in the prefill instance's cache, the rest are pulled from ``pull_from`` (a holder name, e.g.
+    "store" for the Mooncake Store pool; "pool" when no other single holder has the whole run)
+    before the prefill. ``replicate`` asks the prefill instance to keep
     the pulled blocks in its own cache, which is how a hot prefix spreads off a loaded holder.
     """
 

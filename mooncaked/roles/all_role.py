@@ -39,7 +39,7 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
 
     conductor = HostPort(host, cfg.listen.port)
     store = cfg.store or HostPort(host, free_port(host))
-    out: list[RoleConfig] = [make(ConductorConfig, role="conductor", listen=conductor)]
+    out: list[RoleConfig] = [make(ConductorConfig, role="conductor", listen=conductor, store=store)]
     if cfg.store is None:
         out.append(make(StoreConfig, role="store", listen=store))
     # engines bind any free port and register the one they got: no port can be taken between pick and bind

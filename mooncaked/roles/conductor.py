@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from mooncaked.conductor import metrics
-from mooncaked.conductor.prefix_index import PrefixIndex
+from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.registry import DEAD, Instance, Registry
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.early_rejection import SLO
@@ -50,6 +50,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.registry = Registry(heartbeat_timeout_s)
         self.index = PrefixIndex()
+        self.watches_pool = False  # the index's POOL_HOLDER follows the store master (conductor/pool_watch.py)
         # the routing policy and its online time models (fed by heartbeats and Prefill replies)
         self.scheduler = scheduler or SchedulerState(make_policy("mooncake"))
         self.started = time.monotonic()
@@ -61,6 +62,10 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "only prefill and decode instances register")
         if not request.name or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name and address are required")
+        if request.name == POOL_HOLDER:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the name {POOL_HOLDER!r} is reserved for the KV pool in the prefix index; "
+                                "give the instance another --name")
         layout = layout_from_proto(request.layout)
         if layout.block_size != self.block_size:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -83,7 +88,9 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         for sample in request.decode_samples:
             self.scheduler.observe_decode(request.name, sample.batch, sample.context_tokens, sample.seconds)
         for e in request.events:
-            holder = e.instance or request.name  # blocks written to the pool name the pool as holder
+            holder = e.instance or request.name
+            if holder == POOL_HOLDER:
+                continue  # the store master alone reports what the pool holds (pool_watch.py)
             if e.kind == common_pb2.KVEvent.KIND_STORED:
                 self.index.stored(holder, list(e.block_hashes), e.medium or "dram")
             elif e.kind == common_pb2.KVEvent.KIND_REMOVED:
@@ -339,17 +346,28 @@ async def run_conductor_role(cfg) -> int:
         await server.stop(0)
         raise OSError(f"cannot serve HTTP on {cfg.http}: {e.strerror or e}; pick another --http address") from e
     sweeper = spawn(service.sweep_forever(), "sweep")
+    pool_watch = watcher = None
+    if cfg.store is not None:
+        from mooncaked.conductor.pool_watch import PoolWatch
+
+        pool_watch = PoolWatch(str(cfg.store), service.model_id, service.index)
+        service.watches_pool = True
+        watcher = spawn(pool_watch.run(), "pool-watch")
     server.install_signal_handlers()
     http_at = str(HostPort(cfg.http.host, http_port))
     print(f"mooncaked conductor {cfg.name}: gRPC on {cfg.listen.host}:{port}, HTTP on {http_at}, "
-          f"model {model_dir.name}", flush=True)
+          f"model {model_dir.name}, KV pool {cfg.store or 'none'}", flush=True)
     sd_notify("READY=1")
     await server.stopping.wait()
     sd_notify("STOPPING=1")
     sweeper.cancel()
+    if watcher is not None:
+        watcher.cancel()
     # both fronts stop accepting and drain their streams together, within one drain timeout
     await asyncio.gather(http.cleanup(), server.stop(cfg.drain_timeout_s))
     for inst in service.registry.instances.values():
         if inst.channel is not None:
             await inst.channel.close()
+    if pool_watch is not None:
+        await pool_watch.close()
     return 0

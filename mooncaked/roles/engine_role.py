@@ -14,7 +14,6 @@ from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_gr
 from mooncaked.roles.convert import layout_to_proto
 from mooncaked.roles.kv_push import KV_REGION
 from mooncaked.roles.membership import Membership
-from mooncaked.roles.pool_cache import POOL_HOLDER
 from mooncaked.rpc import RoleServer, sd_notify
 from mooncaked.tasks import spawn
 from mooncaked.roles.worker import WorkerService
@@ -56,11 +55,6 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
             kind = common_pb2.KVEvent.KIND_STORED if e.kind == "stored" else common_pb2.KVEvent.KIND_REMOVED
             events.append(common_pb2.KVEvent(kind=kind, block_hashes=e.block_hashes, medium=medium,
                                              instance=cfg.name))
-        if service.pool is not None:
-            stored = service.pool.drain_events()
-            if stored:
-                events.append(common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=stored,
-                                                 medium="pool", instance=POOL_HOLDER))
         samples = [conductor_pb2.DecodeSample(batch=r.decodes, context_tokens=r.decode_context, seconds=r.seconds)
                    for r in engine.drain_step_log() if r.decodes and not r.prefill_tokens]
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),

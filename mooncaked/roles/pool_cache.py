@@ -3,8 +3,8 @@
 Before computing a prompt: find the longest chain of its block hashes in the pool and,
 when that reaches past what the local cache holds, pull those blocks into fresh KV blocks
 (the engine then computes only the rest). After computing: write each new full block
-back to the pool in the background, and report it (KV event, medium "pool") so the
-conductor's prefix index covers the pool, not only the engines' own caches.
+back to the pool in the background. The conductor's prefix index learns of pool blocks
+from the store master (WatchPool), which also sees them leave; nothing is reported here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from mooncaked.store import StoreError
 
 log = logging.getLogger(__name__)
 
-POOL_HOLDER = "store"  # the name the conductor's index uses for blocks in the pool
 MAX_WRITEBACKS = 4  # concurrent background puts
 
 
@@ -30,7 +29,6 @@ class PoolCache:
         self.model_id = model_id
         self.bs = engine.config.block_size
         self.seed = engine.config.hash_seed
-        self.pool_events: list[int] = []  # hashes stored in the pool, for the next heartbeat
         self._writing = asyncio.Semaphore(MAX_WRITEBACKS)
 
     def keys(self, hashes: list[int]) -> list[str]:
@@ -74,21 +72,16 @@ class PoolCache:
         put them in the background. Call while the blocks are still held."""
         hashes = block_hashes(prompt, self.bs, self.seed)
         pool = self.engine.runner.kv.pool
-        items = [(key, pool[:, :, block_table[j]].clone(), h)
-                 for j, (key, h) in enumerate(zip(self.keys(hashes), hashes)) if j >= skip]
+        items = [(key, pool[:, :, block_table[j]].clone()) for j, key in enumerate(self.keys(hashes)) if j >= skip]
         if items:
             spawn(self._put(items), "pool-write-back")
 
     async def _put(self, items) -> None:
         async with self._writing:
             try:
-                ok = await self.store.batch_put([(k, t) for k, t, _ in items])
+                ok = await self.store.batch_put(items)
             except StoreError as e:
                 log.warning("pool write-back of %d blocks failed: %s", len(items), e)
                 return
-        stored = [h for (_, _, h), good in zip(items, ok) if good]
-        self.pool_events.extend(stored)
-
-    def drain_events(self) -> list[int]:
-        events, self.pool_events = self.pool_events, []
-        return events
+        if not all(ok):
+            log.debug("pool write-back: %d of %d blocks found no room", ok.count(False), len(items))

@@ -19,11 +19,14 @@ def policy_of(cfg: StorePolicyConfig) -> Policy:
 
 
 async def run_store_role(cfg: StoreConfig) -> int:
-    runner = MasterRunner(policy_of(cfg), str(cfg.listen))
+    fast_port = None if cfg.store_fast_path_port < 0 else cfg.store_fast_path_port
+    runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port)
     port = await runner.start()
     runner.server.install_signal_handlers()
     address = f"{cfg.advertise_address.host}:{port}"
-    print(f"mooncaked store {cfg.name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch})", flush=True)
+    fast = runner.service.fast_path_port
+    print(f"mooncaked store {cfg.name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
+          f"fast path {f'on port {fast}' if fast else 'off'})", flush=True)
     sd_notify("READY=1")
     await runner.server.stopping.wait()
 

@@ -1,7 +1,8 @@
 """The Mooncake Store: a cluster-wide KV pool.
 
-master.py/eviction.py (metadata state machine), service.py (its gRPC face), client.py (what
-engines embed: DRAM segment, LMDB tier, put/get through transfer/). See DESIGN.md §5.
+master.py/eviction.py (metadata state machine), service.py (its gRPC face; pool_events.py
+streams what the pool holds to prefix indexes), client.py (what engines embed: DRAM segment,
+LMDB tier, put/get through transfer/). See DESIGN.md §5.
 
 The client is imported lazily: the master never needs torch or the data plane, and a
 store daemon should start in a second, not in the time torch takes to import.

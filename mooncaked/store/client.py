@@ -11,6 +11,7 @@ into its DRAM segment first (see tier_worker.py), so a reader always pulls from 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,9 @@ from mooncaked.rpc import CHANNEL_OPTIONS
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
-from mooncaked.store.errors import InvalidArgument, StoreError, StoreUnavailable, from_rpc_error
+from mooncaked.store.fast_channel import FastChannel
+from mooncaked.store.reservations import Place, Places, Shape
+from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier
 from mooncaked.store.mounts import Mounts
 from mooncaked.store.records import checksum
@@ -41,6 +44,8 @@ RECONNECT_OPTIONS = [  # a restarted master is found again within a second, not 
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 T = TypeVar("T")
+MAX_AHEAD = 64  # most places of one shape kept
+FAST_RETRY_S = 1.0  # after the fast path failed to open, gRPC carries the calls this long
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,8 @@ class StoreClientConfig:
     prefer_local: bool = False  # put the first copy in our own DRAM segment when it has room
     get_batch_keys: int = 64  # keys per BatchGetReplicas: what the master promotes and leases at once
     no_room_retry_s: float = 2.0  # a put that found no room is retried this long (the master is demoting)
+    fast_path: bool = True  # metadata calls on the master's fast path when it offers one (else gRPC)
+    reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -82,6 +89,16 @@ class StoreClientConfig:
         return cls(**values)
 
 
+def _host_bytes(data: Data) -> memoryview | None:
+    """The object's bytes as a flat view of the caller's own host memory, or None when they must be
+    gathered first (a tensor on a device, or not contiguous)."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or not data.is_contiguous():
+            return None
+        return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(data).cast("B")
+
+
 class StoreClient:
     """One process's handle on the KV pool; `await start()` before use, `await close()` after."""
 
@@ -97,6 +114,11 @@ class StoreClient:
         self.mounts: Mounts | None = None
         self.worker: TierWorker | None = None
         self._tasks: list[asyncio.Task] = []
+        self._fast: FastChannel | None = None
+        self._fast_retry_at = 0.0  # after a fast-path failure, gRPC until then
+        self._fast_lock = asyncio.Lock()
+        self._places = Places()
+        self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
 
     @property
@@ -134,11 +156,14 @@ class StoreClient:
         demoted to it (up to `evacuate_timeout_s`), so a restart on the same LMDB path brings it all back."""
         if self.lmdb is not None and self.dram is not None and self.worker is not None:
             await self._evacuate(evacuate_timeout_s)
-        for t in self._tasks:
+        for t in [*self._tasks, *self._refilling.values()]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._refilling.values(), return_exceptions=True)
+        await self._give_back(self._places.drain())
         if self.mounts is not None:
             await self.mounts.unmount_all()
+        if self._fast is not None:
+            self._fast.close()
         if self._channel is not None:
             await self._channel.close()
         if self.lmdb is not None:  # after any LMDB work still running in its thread
@@ -169,15 +194,165 @@ class StoreClient:
                     self.config.client_id, min(reply.demotions, self.worker.done - before), reply.left)
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[T]], request) -> T:
+        """One metadata call: on the fast path when the master offers it, else (or while it is down) gRPC."""
+        return await (await self._send(what, fn, request))
+
+    async def _send(self, what: str, fn: Callable[..., Awaitable[T]], request) -> Awaitable[T]:
+        """Put a metadata call on the wire now; the returned awaitable gives its reply."""
+        fast = self._fast if self._fast is not None and not self._fast.closed else await self._open_fast()
+        if fast is not None:
+            return fast.send(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
+        return self._grpc_reply(what, fn(request, timeout=self.config.rpc_timeout_s))  # the call starts here
+
+    @staticmethod
+    async def _grpc_reply(what: str, call: Awaitable[T]) -> T:
         try:
-            return await fn(request, timeout=self.config.rpc_timeout_s)
+            return await call
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, what) from None
 
+    async def _open_fast(self) -> FastChannel | None:
+        """A fresh fast-path channel (asked for with Describe), or None to use gRPC for now."""
+        loop = asyncio.get_running_loop()
+        if not self.config.fast_path or loop.time() < self._fast_retry_at:
+            return None
+        async with self._fast_lock:
+            if self._fast is not None and not self._fast.closed:
+                return self._fast
+            try:
+                reply = await self.stub.Describe(store_pb2.DescribeRequest(), timeout=self.config.rpc_timeout_s)
+                if not reply.fast_path_port:
+                    self._fast_retry_at = float("inf")  # this master has none
+                    return None
+                host = self.config.master.rsplit(":", 1)[0].strip("[]")
+                self._fast = await FastChannel.connect(host, reply.fast_path_port, self.config.rpc_timeout_s)
+                if reply.master_epoch != self._places.epoch:
+                    self._places.forget()
+                return self._fast
+            except (grpc.aio.AioRpcError, StoreError) as e:
+                self._fast_retry_at = loop.time() + FAST_RETRY_S
+                detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                logger.info("store client %s: no fast path to the master for now (%s); using gRPC",
+                            self.config.client_id, detail)
+                return None
+
     # -- put ----------------------------------------------------------------------------------------
     async def put(self, key: str, data: Data, *, soft_pin: bool = False) -> bool:
-        """Store one object; True when it is in the pool (now or already), False when there was no room."""
+        """Store one object; True when it is in the pool (now or already), False when there was no room.
+
+        Into a place reserved ahead when one is at hand (the write and one commit); else, or when
+        that fails for a reason a fresh PutStart may not have, the batch path (PutStart, write, PutEnd).
+        """
+        if self.config.reserve_ahead_bytes > 0 and self.staging is not None:
+            done = await self._put_reserved(key, data, soft_pin)
+            if done is not None:
+                return done
         return (await self.batch_put([(key, data)], soft_pin=soft_pin))[0]
+
+    async def _put_reserved(self, key: str, data: Data, soft_pin: bool) -> bool | None:
+        """One put into a reserved place; None to take the batch path instead (no place, no room, or
+        the place was unknown to the master)."""
+        assert self.staging is not None
+        size = nbytes_of(data)
+        if size <= 0 or not self.staging.fits([size]):
+            return None  # the batch path says what is wrong
+        loop = asyncio.get_running_loop()
+        shape = Shape(size, self.config.replicas, self.dram_segment if self.config.prefer_local and self.dram else "")
+        place = self._places.take(shape, loop.time())
+        direct = _host_bytes(data) if self.transfer.takes_buffers else None
+        async with contextlib.AsyncExitStack() as stack:
+            reserving = None if place is not None else await self._send(
+                "ReservePlaces", self.stub.ReservePlaces,
+                self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
+            if direct is None:  # gather the bytes in the staging area (device or strided tensors; rdma)
+                (off,) = await stack.enter_async_context(self.staging.lease([size]))
+                self.staging.stage(off, data)
+                source = self.staging.slice(off, size)
+            else:  # written straight from the caller's memory: no staging copy
+                source = direct
+            csum = checksum(source)  # while the master reserves, if it does
+            if reserving is not None:
+                try:
+                    got = self._stock(shape, await reserving)
+                except NoRoom:
+                    return None
+                if not got:
+                    return None
+                place = got[0]
+                self._places.add(shape, got[1:], self._places.epoch)
+            assert place is not None
+            try:
+                if direct is None:
+                    await self.transfer.submit(
+                        [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region,
+                                    rep.offset, size) for rep in place.replicas],
+                        timeout_s=self.config.transfer_timeout_s)
+                else:
+                    for rep in place.replicas:
+                        await self.transfer.submit_buffer("write", direct, rep.endpoint.address, rep.endpoint.region,
+                                                          rep.offset, self.config.transfer_timeout_s)
+            except TransferError as e:
+                logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, e)
+                await self._give_back([place.reservation])
+                metrics.client_op("put", "failed").inc()
+                return False
+        end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
+                                                                             checksum=csum, soft_pin=soft_pin)])
+        reply = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
+        if not reply.reserved_ok or not reply.reserved_ok[0]:
+            self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
+            return None
+        metrics.client_op("put", "ok").inc()
+        metrics.client_bytes("put").inc(size)
+        self._refill_soon(shape)
+        return True
+
+    def _ahead(self, shape: Shape) -> int:
+        """How many places of this shape to keep: reserve_ahead_bytes' worth, within [2, 64]."""
+        return max(2, min(MAX_AHEAD, self.config.reserve_ahead_bytes // shape.size))
+
+    def _reserve_request(self, shape: Shape, count: int, for_a_put: bool = False) -> store_pb2.ReservePlacesRequest:
+        return store_pb2.ReservePlacesRequest(client_id=self.config.client_id, size=shape.size, count=count,
+                                              replicas=shape.replicas, preferred_segment=shape.preferred,
+                                              first_for_a_put=for_a_put)
+
+    def _stock(self, shape: Shape, reply: store_pb2.ReservePlacesReply) -> list[Place]:
+        """The places of a ReservePlaces reply, usable for half the master's timeout."""
+        if reply.master_epoch != self._places.epoch:
+            self._places.forget()
+            self._places.epoch = reply.master_epoch
+        use_by = asyncio.get_running_loop().time() + reply.timeout_s / 2
+        return [Place(r.id, list(r.replicas), use_by) for r in reply.reservations]
+
+    def _refill_soon(self, shape: Shape) -> None:
+        """Top the stock up in the background once it is half gone (one refill per shape at a time)."""
+        if self._places.count(shape) * 2 > self._ahead(shape) or shape in self._refilling:
+            return
+        task = spawn(self._refill(shape), f"store-reserve-{self.config.client_id}")
+        self._refilling[shape] = task
+        task.add_done_callback(lambda _: self._refilling.pop(shape, None))
+
+    async def _refill(self, shape: Shape) -> None:
+        want = self._ahead(shape) - self._places.count(shape)
+        if want <= 0:
+            return
+        try:
+            reply = await self._call("ReservePlaces", self.stub.ReservePlaces, self._reserve_request(shape, want))
+        except StoreError as e:  # no room now, master away: single puts take the batch path meanwhile
+            logger.debug("store client %s: could not reserve places ahead: %s", self.config.client_id, e)
+            return
+        got = self._stock(shape, reply)
+        await self._give_back(self._places.add(shape, got, self._places.epoch))
+
+    async def _give_back(self, reservations: list[int]) -> None:
+        if not reservations:
+            return
+        try:
+            await self._call("BatchPutEnd", self.stub.BatchPutEnd,
+                             store_pb2.BatchPutEndRequest(revoke_reservations=reservations))
+        except StoreError as e:  # the master discards them after its timeout anyway
+            logger.info("store client %s: could not give back %d reserved places: %s", self.config.client_id,
+                        len(reservations), e)
 
     async def batch_put(self, items: Sequence[tuple[str, Data]], *, soft_pin: bool = False) -> list[bool]:
         """Store many objects with one PutStart/PutEnd round trip per staging-area's worth.
@@ -204,17 +379,18 @@ class StoreClient:
         assert self.staging is not None, "start() first"
         sizes = [nbytes_of(d) for _, d in items]
         async with self.staging.lease(sizes) as offsets:
-            sums = []
-            for (_, data), off in zip(items, offsets):
-                self.staging.stage(off, data)
-            for off, size in zip(offsets, sizes):
-                sums.append(checksum(self.staging.slice(off, size)))
             pref = self.dram_segment if self.config.prefer_local and self.dram else ""
             req = store_pb2.BatchPutStartRequest(items=[
-                store_pb2.PutStartRequest(key=k, size=n, checksum=c, replicas=self.config.replicas,
-                                          preferred_segment=pref, soft_pin=soft_pin)
-                for (k, _), n, c in zip(items, sizes, sums)])
-            reply = await self._call("BatchPutStart", self.stub.BatchPutStart, req)
+                store_pb2.PutStartRequest(key=k, size=n, replicas=self.config.replicas, preferred_segment=pref,
+                                          soft_pin=soft_pin)
+                for (k, _), n in zip(items, sizes)])
+            placing = await self._send("BatchPutStart", self.stub.BatchPutStart, req)
+            # while the master places them: gather the bytes and hash them (the checksums go with PutEnd)
+            sums = []
+            for (_, data), off, size in zip(items, offsets, sizes):
+                self.staging.stage(off, data)
+                sums.append(checksum(self.staging.slice(off, size)))
+            reply = await placing
             ok = [it.exists for it in reply.items]
             writing = [i for i, it in enumerate(reply.items) if it.replicas]
             ops = [TransferOp("write", STAGING_REGION, offsets[i], rep.endpoint.address, rep.endpoint.region,
@@ -229,14 +405,15 @@ class StoreClient:
                                    len(writing), e)
         keys = [items[i][0] for i in writing]
         if writing:
-            end = store_pb2.BatchPutEndRequest(keys=[] if failed else keys, revoke_keys=keys if failed else [])
+            end = (store_pb2.BatchPutEndRequest(revoke_keys=keys) if failed else
+                   store_pb2.BatchPutEndRequest(keys=keys, checksums=[sums[i] for i in writing]))
             await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
             for i in writing:
                 ok[i] = not failed
         for i, good in enumerate(ok):
-            metrics.CLIENT_OPS.labels("put", "ok" if good else "no_room").inc()
+            metrics.client_op("put", "ok" if good else "no_room").inc()
             if good and i in writing:
-                metrics.CLIENT_BYTES.labels("put").inc(sizes[i])
+                metrics.client_bytes("put").inc(sizes[i])
         return ok
 
     def _chunks(self, sizes: Sequence[int]) -> list[list[int]]:
@@ -303,7 +480,7 @@ class StoreClient:
             for chunk in self._chunks([o.size for o in objs]):
                 await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
         for ok in got:
-            metrics.CLIENT_OPS.labels("get", "hit" if ok else "miss").inc()
+            metrics.client_op("get", "hit" if ok else "miss").inc()
         return got
 
     async def _fetch_chunk(self, objs, index: dict[str, int], sink, got: list[bool]) -> None:
@@ -334,7 +511,7 @@ class StoreClient:
                     continue
                 if sink(index[o.key], offsets[j], o.size):
                     got[index[o.key]] = True
-                    metrics.CLIENT_BYTES.labels("get").inc(o.size)
+                    metrics.client_bytes("get").inc(o.size)
         if corrupt:
             await self.remove(corrupt)
 

@@ -53,9 +53,18 @@ _BY_CODE: dict[grpc.StatusCode, type[StoreError]] = {
 _BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = StoreUnavailable
 
 
+_BY_VALUE: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
 def from_rpc_error(err: grpc.RpcError, what: str) -> StoreError:
     """The typed error for a failed call to the master (`what` names the call)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     cls = _BY_CODE.get(code, StoreError)
     return cls(f"store master {what}: {code.name}: {details}")
+
+
+def from_status(status: int, details: str, what: str) -> StoreError:
+    """The same typed error for a status that came back on the fast path."""
+    code = _BY_VALUE.get(status, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, StoreError)(f"store master {what}: {code.name}: {details}")

@@ -5,6 +5,12 @@ here is tested by calling methods. `service.py` puts it on the wire; `placement.
 where copies go, `eviction.py` what leaves a full segment. Tier moves (demote DRAM -> LMDB,
 promote LMDB -> DRAM, delete from LMDB; `tiering.py`) are `Task`s handed to the segment's
 owner through `hooks.send_task`; the owner reports back with `task_done`.
+
+Pool events (`hooks.pool_event`) tell prefix indexes what is readable where: "stored" with
+the object's best medium when it is committed or adopted at a remount, and again whenever
+that medium changes (a demotion left it on LMDB only, a promotion brought it back to DRAM);
+"removed" when it stops being readable, by whatever path (`_forget` is the only way out).
+`_announce` after any change to a committed object's copies keeps those events exact.
 """
 
 from __future__ import annotations
@@ -22,18 +28,24 @@ from mooncaked.store.allocator import ByteBudget, ExtentAllocator
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
 from mooncaked.store.records import (
     MAX_KEY_BYTES, MEDIA, Client, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
-    PromotionPending, PutPlan, Replica, Segment, SegmentSpec, SegmentUse, Task,
+    PoolEventKind, PromotionPending, PutPlan, Replica, Segment, SegmentSpec, SegmentUse, Task,
 )
 
 logger = logging.getLogger(__name__)
 
+RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a NUL never starts a real key)
+MAX_RESERVE = 1024  # places one ReservePlaces call may take
+
 
 class MasterHooks(Protocol):
-    """What the master tells the world: tasks to send, promotions settled, clients gone."""
+    """What the master tells the world: tasks to send, promotions settled, clients gone, pool events."""
 
     def send_task(self, task: Task) -> None: ...
     def promotion_settled(self, task_id: int, ok: bool) -> None: ...
     def client_dropped(self, client_id: str) -> None: ...
+    def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
+        """`keys` became readable on `medium` ("dram" | "lmdb"), or ("removed", medium "") stopped being
+        readable. Called on the hot path: an implementation only records it."""
 
 
 class NoHooks:
@@ -46,6 +58,9 @@ class NoHooks:
         pass
 
     def client_dropped(self, client_id: str) -> None:
+        pass
+
+    def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
         pass
 
 
@@ -63,6 +78,7 @@ class StoreMaster:
         self._pending: dict[str, None] = {}  # uncommitted keys, oldest PutStart first
         self._deferred: list[tuple[float, int, Segment, int, int]] = []  # (due, seq, seg, offset, size)
         self._seq = itertools.count(1)
+        self._reservation_ids = itertools.count(1)
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
 
     # -- segments and clients ----------------------------------------------------------------
@@ -117,6 +133,7 @@ class StoreMaster:
             metrics.OBJECTS.inc()
         obj.replicas.append(Replica(seg.name, offset, rec.size, complete=True))
         seg.keys[rec.key] = None
+        self._announce(obj)
         return True
 
     def unmount(self, client_id: str, name: str) -> int:
@@ -143,6 +160,8 @@ class StoreMaster:
             if not any(r.complete for r in obj.replicas) and obj.committed or not obj.replicas:
                 removed += obj.committed
                 self._forget(obj)
+            else:
+                self._announce(obj)  # its DRAM copy went with the segment: LMDB only now
         metrics.segment_gone(seg.name, seg.medium)
         logger.info("unmounted segment %s of %s: %d objects dropped", seg.name, seg.owner, removed)
         return removed
@@ -194,6 +213,11 @@ class StoreMaster:
                   soft_pin: bool = False, make_room: bool = True) -> PutPlan:
         """Reserve places for one object; readers see nothing until `put_end`."""
         self._check_key(key)
+        return self._start(key, size, checksum, replicas, preferred, soft_pin, make_room)
+
+    def _start(self, key: str, size: int, checksum: int, replicas: int, preferred: str, soft_pin: bool,
+               make_room: bool, ahead: bool = False) -> PutPlan:
+        """`ahead`: a place reserved before any object needs it takes free space only (evicts nothing)."""
         if size <= 0:
             raise InvalidArgument(f"object {key!r}: size must be positive, got {size}")
         drams = [s for s in self.segments.values() if s.medium == "dram"]
@@ -217,7 +241,7 @@ class StoreMaster:
         if not drams:
             raise NoRoom("no DRAM segment is mounted: start an engine with --store-dram-bytes")
         placed = placement.place(self, drams, size, min(replicas or self.policy.replicas, len(drams)), pref,
-                                 make_room)
+                                 make_room and not ahead, evict=not ahead)
         if not placed:
             raise NoRoom(f"no DRAM segment has {size} free bytes for {key!r} (copies are being moved to LMDB "
                          "or held by read leases); retry shortly or lend more DRAM")
@@ -226,28 +250,93 @@ class StoreMaster:
         self._pending[key] = None
         for p in placed:
             p.segment.keys[key] = None
-            eviction.evict_if_needed(self, p.segment)
+            if not ahead:
+                eviction.evict_if_needed(self, p.segment)
             self._publish(p.segment)
         return PutPlan(placed, exists=False)
 
-    def put_end(self, key: str) -> None:
-        """Commit: from now on readers get the object."""
+    def put_end(self, key: str, checksum: int | None = None) -> None:
+        """Commit: from now on readers get the object (whose checksum the writer may give only now)."""
         obj = self.objects.get(key)
         if obj is None:
             raise FailedPrecondition(f"PutEnd({key!r}) without a PutStart in progress "
                                      f"(never started, revoked, or discarded after {self.policy.put_timeout_s:g}s)")
         if obj.committed:
             return
+        self._commit(obj, checksum)
+
+    def _commit(self, obj: ObjectMeta, checksum: int | None) -> None:
         if not obj.replicas:
             self._forget(obj)
-            raise FailedPrecondition(f"every place reserved for {key!r} was lost (its segment's client died); "
+            raise FailedPrecondition(f"every place reserved for {obj.key!r} was lost (its segment's client died); "
                                      "put it again")
+        if checksum is not None:
+            obj.checksum = checksum
         obj.committed = True
         for r in obj.replicas:
             r.complete = True
-        self._pending.pop(key, None)
+        self._pending.pop(obj.key, None)
         self._touch_lru(obj)
         metrics.OBJECTS.inc()
+        self._announce(obj)
+
+    # -- places reserved ahead ---------------------------------------------------------------------
+    def reserve(self, size: int, count: int, replicas: int = 0, preferred: str = "",
+                first_evicts: bool = True) -> list[tuple[int, PutPlan]]:
+        """Up to `count` places for objects of `size` whose keys come at commit (`put_reserved`).
+
+        Each is an uncommitted object under an internal key, so everything a pending put gets
+        (no eviction, discarded after put_timeout_s, dropped with its segment) holds for it too.
+        With `first_evicts` the first is placed as a PutStart would be (it may evict: a put is in
+        hand); the others only take free space. NoRoom only when not even one fits.
+        """
+        if count <= 0:
+            raise InvalidArgument(f"ReservePlaces: count must be positive, got {count}")
+        out: list[tuple[int, PutPlan]] = []
+        for _ in range(min(count, MAX_RESERVE)):
+            rid = next(self._reservation_ids)
+            try:
+                plan = self._start(f"{RESERVED_PREFIX}{rid}", size, 0, replicas, preferred, False,
+                                   make_room=not out, ahead=bool(out) or not first_evicts)
+            except NoRoom:
+                if not out:
+                    raise
+                break
+            out.append((rid, plan))
+        return out
+
+    def put_reserved(self, reservation: int, key: str, checksum: int, soft_pin: bool = False) -> bool:
+        """Commit bytes written into a reserved place under `key`; True when the object is in the pool
+        (committed now, or it already was and the place is given back), False for an unknown place."""
+        self._check_key(key)
+        place = self.objects.get(f"{RESERVED_PREFIX}{reservation}")
+        if place is None or place.committed:
+            return False
+        existing = self.objects.get(key)
+        if existing is not None:
+            if existing.committed or self.clock() - existing.started_at < self.policy.put_timeout_s:
+                self._forget(place)
+                self._touch_lru(existing)
+                return True
+            self._discard_stale(existing)
+        del self.objects[place.key]
+        self._pending.pop(place.key, None)
+        for r in place.replicas:  # the place's copies now hold `key`, newest in their segment's LRU order
+            seg = self.segments.get(r.segment)
+            if seg is not None:
+                seg.keys.pop(place.key, None)
+                seg.keys[key] = None
+        place.key, place.soft_pin = key, soft_pin
+        self.objects[key] = place
+        self._commit(place, checksum)
+        return True
+
+    def revoke_reserved(self, reservation: int) -> bool:
+        place = self.objects.get(f"{RESERVED_PREFIX}{reservation}")
+        if place is None or place.committed:
+            return False
+        self._forget(place)
+        return True
 
     def put_revoke(self, key: str) -> None:
         obj = self.objects.get(key)
@@ -256,8 +345,12 @@ class StoreMaster:
         self._forget(obj)
 
     def _discard_stale(self, obj: ObjectMeta) -> None:
-        logger.warning("discarding put of %s: no PutEnd within %.1fs", obj.key, self.policy.put_timeout_s)
-        metrics.STALE_PUTS.inc()
+        if obj.key.startswith(RESERVED_PREFIX):  # a writer that went idle: its places simply lapse
+            logger.debug("reserved place %s lapsed unused after %.1fs", obj.key[len(RESERVED_PREFIX):],
+                         self.policy.put_timeout_s)
+        else:
+            logger.warning("discarding put of %s: no PutEnd within %.1fs", obj.key, self.policy.put_timeout_s)
+            metrics.STALE_PUTS.inc()
         self._forget(obj)
 
     # -- get and queries ---------------------------------------------------------------------------
@@ -268,7 +361,7 @@ class StoreMaster:
         if obj is None or not obj.committed:
             if count:
                 self.misses += 1
-                metrics.LOOKUPS.labels("miss").inc()
+                metrics.lookup("miss").inc()
             raise NotFound(f"no object {key!r} in the pool")
         now = self.clock()
         placed = [Placed(r, self.segments[r.segment]) for r in obj.replicas
@@ -279,7 +372,7 @@ class StoreMaster:
         if count:
             obj.hits += 1
             self.hits += 1
-            metrics.LOOKUPS.labels("hit").inc()
+            metrics.lookup("hit").inc()
         self._touch_lru(obj)
         return ObjectView(obj.key, obj.size, obj.checksum, placed, self.policy.lease_s)
 
@@ -310,6 +403,8 @@ class StoreMaster:
         if not key or len(key.encode()) > MAX_KEY_BYTES:
             raise InvalidArgument(f"a key must be 1..{MAX_KEY_BYTES} bytes (e.g. 'model_id/block_hash'), "
                                   f"got {key[:80]!r}")
+        if key.startswith(RESERVED_PREFIX):
+            raise InvalidArgument(f"keys starting with {RESERVED_PREFIX!r} name reserved places, not objects")
 
     # -- tier tasks ---------------------------------------------------------------------------------
     def send_delete(self, client_id: str, key: str, segment: str, size: int) -> None:
@@ -402,6 +497,8 @@ class StoreMaster:
             self._publish(seg)
         if obj.committed and not any(r.complete for r in obj.replicas):
             self._forget(obj)
+        else:
+            self._announce(obj)  # e.g. a demoted object's DRAM copy went: LMDB only now
 
     def _forget(self, obj: ObjectMeta) -> None:
         """Remove an object and every copy of it."""
@@ -413,6 +510,30 @@ class StoreMaster:
             self._drop_replica(obj, rep)
         if obj.committed:
             metrics.OBJECTS.dec()
+        if obj.medium:
+            obj.medium = ""
+            self.hooks.pool_event("removed", (obj.key,), "")
+
+    def _announce(self, obj: ObjectMeta) -> None:
+        """Tell pool watchers where a committed object is readable, if that changed (after its copies did)."""
+        if not obj.committed or self.objects.get(obj.key) is not obj:
+            return
+        medium = self.medium_of(obj)
+        if medium and medium != obj.medium:
+            obj.medium = medium
+            self.hooks.pool_event("stored", (obj.key,), medium)
+
+    def medium_of(self, obj: ObjectMeta) -> str:
+        """Where a reader finds the object at best: "dram" if any complete copy is in DRAM, else "lmdb"
+        if one is on LMDB, else "" (no complete copy)."""
+        best = ""
+        for r in obj.replicas:
+            seg = self.segments.get(r.segment) if r.complete else None
+            if seg is not None:
+                if seg.medium == "dram":
+                    return "dram"
+                best = seg.medium
+        return best
 
     def _publish(self, seg: Segment) -> None:
         metrics.segment_changed(seg.name, seg.medium, seg.capacity, seg.used, len(seg.keys))

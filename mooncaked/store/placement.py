@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 
 
 def place(m: StoreMaster, drams: Sequence[Segment], size: int, want: int, preferred: Segment | None,
-          make_room: bool) -> list[Placed]:
-    """Allocate up to `want` copies of `size` bytes on distinct segments; [] when none has room."""
+          make_room: bool, evict: bool = True) -> list[Placed]:
+    """Allocate up to `want` copies of `size` bytes on distinct segments; [] when none has room.
+    `evict=False`: free space only (a place reserved ahead must not push objects out)."""
     order = sorted(drams, key=lambda s: s.alloc.free_bytes, reverse=True)
     if preferred is not None:
         order.remove(preferred)
@@ -32,7 +33,7 @@ def place(m: StoreMaster, drams: Sequence[Segment], size: int, want: int, prefer
         if len(placed) == want:
             break
         offset = seg.alloc.alloc(size)
-        if offset is None and eviction.free_now(m, seg, size):
+        if offset is None and evict and eviction.free_now(m, seg, size):
             offset = seg.alloc.alloc(size)
         if offset is None:
             if make_room:

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 Medium = Literal["dram", "lmdb"]
 MEDIA: tuple[str, ...] = ("dram", "lmdb")
 TaskKind = Literal["demote", "promote", "delete"]
+PoolEventKind = Literal["stored", "removed"]  # what pool watchers hear (service WatchPool)
 MAX_KEY_BYTES = 1024
 
 
@@ -116,6 +117,7 @@ class ObjectMeta:
     hits: int = 0
     busy: int = 0  # tier tasks in flight; never evicted meanwhile
     promotion: int = 0  # task id of the promotion in flight, 0 if none
+    medium: str = ""  # the medium pool watchers were last told ("": not announced, i.e. not readable)
 
     def replica_on(self, segment: str) -> Replica | None:
         for r in self.replicas:

@@ -1,8 +1,8 @@
 """The `StoreMaster` gRPC service over the state machine, and the runner that serves it.
 
 Typed store errors become gRPC statuses here and nowhere else. The service is also the
-master's hooks: it queues tier tasks for each client's `Tasks` stream and resolves the
-reads waiting on a promotion. A housekeeping task ticks the state machine (silent clients,
+master's hooks: it queues tier tasks for each client's `Tasks` stream, resolves the
+reads waiting on a promotion and fans pool events out to `WatchPool` streams (pool_events.py). A housekeeping task ticks the state machine (silent clients,
 stale puts, overdue tasks, lease-held frees, eviction).
 """
 
@@ -12,7 +12,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -21,9 +21,11 @@ from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import RoleServer
 from mooncaked.tasks import spawn
 from mooncaked.store import convert
-from mooncaked.store.errors import FailedPrecondition, NoRoom, NotFound, StoreError
+from mooncaked.store.fast_path import FastPathServer
+from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError
 from mooncaked.store.master import StoreMaster
-from mooncaked.store.records import ObjectView, Policy, Task
+from mooncaked.store.pool_events import PoolEventHub
+from mooncaked.store.records import ObjectView, Policy, PoolEventKind, PromotionPending, Task
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self.master = StoreMaster(policy, hooks=self, clock=clock)
         self._queues: dict[str, asyncio.Queue[Task | None]] = {}
         self._promotions: dict[int, asyncio.Future[bool]] = {}
+        self.fast_path_port = 0  # set by MasterRunner once the fast path listens
+        self.pool_events = PoolEventHub(self.master)
 
     # -- hooks of the state machine ------------------------------------------------------------
     def send_task(self, task: Task) -> None:
@@ -72,6 +76,9 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         if q is not None:
             q.put_nowait(None)  # ends its Tasks stream; the client remounts and reopens it
 
+    def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
+        self.pool_events.add(kind, keys, medium)
+
     def _queue(self, client_id: str) -> asyncio.Queue[Task | None]:
         q = self._queues.get(client_id)
         if q is None:
@@ -86,6 +93,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     def close_streams(self) -> None:
         for q in self._queues.values():
             q.put_nowait(None)
+        self.pool_events.close()
 
     # -- segments ---------------------------------------------------------------------------------
     @_rpc
@@ -135,7 +143,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_rpc
     async def PutEnd(self, request, context):
-        self.master.put_end(request.key)
+        self.master.put_end(request.key, request.checksum or None)
         return store_pb2.PutEndReply(ok=True)
 
     @_rpc
@@ -146,9 +154,13 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     @_rpc
     async def BatchPutEnd(self, request, context):
         committed = revoked = 0
-        for key in request.keys:
+        if request.checksums and len(request.checksums) != len(request.keys):
+            raise InvalidArgument(f"BatchPutEnd: {len(request.checksums)} checksums for {len(request.keys)} keys "
+                                  "(send none, or one per key)")
+        sums = list(request.checksums) or [0] * len(request.keys)
+        for key, csum in zip(request.keys, sums):
             try:
-                self.master.put_end(key)
+                self.master.put_end(key, csum or None)
                 committed += 1
             except FailedPrecondition as e:
                 logger.info("batch PutEnd: %s", e)
@@ -158,7 +170,22 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 revoked += 1
             except FailedPrecondition:
                 pass
-        return store_pb2.BatchPutEndReply(committed=committed, revoked=revoked)
+        reserved_ok = [self.master.put_reserved(r.reservation, r.key, r.checksum, r.soft_pin)
+                       for r in request.reserved]
+        committed += sum(reserved_ok)
+        revoked += sum(self.master.revoke_reserved(rid) for rid in request.revoke_reservations)
+        return store_pb2.BatchPutEndReply(committed=committed, revoked=revoked, reserved_ok=reserved_ok)
+
+    @_rpc
+    async def ReservePlaces(self, request, context):
+        if request.size <= 0:
+            raise InvalidArgument(f"ReservePlaces: size must be positive, got {request.size}")
+        places = self.master.reserve(request.size, request.count, request.replicas, request.preferred_segment,
+                                     first_evicts=request.first_for_a_put)
+        return store_pb2.ReservePlacesReply(
+            reservations=[store_pb2.Reservation(id=rid, replicas=[convert.placed_to_proto(p) for p in plan.replicas])
+                          for rid, plan in places],
+            timeout_s=self.master.policy.put_timeout_s, master_epoch=self.master.epoch)
 
     # -- get ----------------------------------------------------------------------------------------
     async def _promoted(self, task_id: int, deadline: float) -> bool:
@@ -211,17 +238,31 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_rpc
     async def BatchGetReplicas(self, request, context):
-        deadline = self._deadline(context)
-
-        async def one(key: str) -> ObjectView | None:
+        views: list[ObjectView | None] = []
+        waiting: list[int] = []  # keys whose object must first be promoted from LMDB (or wait for room)
+        for i, key in enumerate(request.keys):
             try:
-                return await self._get(key, deadline)
-            except (NotFound, NoRoom):
-                return None
+                res = self.master.get_replicas(key)
+            except NotFound:
+                res = None
+            except NoRoom:
+                res, waiting = None, waiting + [i]
+            if isinstance(res, PromotionPending):
+                res, waiting = None, waiting + [i]
+            views.append(res)
+        if waiting:
+            deadline = self._deadline(context)
 
-        views = await asyncio.gather(*(one(k) for k in request.keys))
-        # promotions may have kept some keys waiting: renew every lease now, at reply time
-        views = [self._renew(v) for v in views if v is not None]
+            async def one(key: str) -> ObjectView | None:
+                try:
+                    return await self._get(key, deadline)
+                except (NotFound, NoRoom):
+                    return None
+
+            for i, view in zip(waiting, await asyncio.gather(*(one(request.keys[i]) for i in waiting))):
+                views[i] = view
+            # the waits took a while: renew every lease now, at reply time
+            views = [self._renew(v) if v is not None else None for v in views]
         return store_pb2.BatchGetReplicasReply(objects=[convert.view_to_proto(v) for v in views if v is not None],
                                                lease_s=self.master.policy.lease_s)
 
@@ -245,6 +286,10 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     async def PoolStats(self, request, context):
         return convert.stats_to_proto(self.master.stats())
 
+    @_rpc
+    async def Describe(self, request, context):
+        return store_pb2.DescribeReply(fast_path_port=self.fast_path_port, master_epoch=self.master.epoch)
+
     # -- tier tasks ---------------------------------------------------------------------------------
     async def Tasks(self, request, context) -> AsyncIterator[store_pb2.TierTask]:
         if request.client_id not in self.master.clients:
@@ -259,6 +304,24 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 continue  # settled while queued (its segment went, or it timed out): moving bytes now would harm
             yield convert.task_to_proto(task)
 
+    # -- pool events ----------------------------------------------------------------------------------
+    async def WatchPool(self, request, context) -> AsyncIterator[store_pb2.PoolEvents]:
+        """The snapshot, then live events; a subscriber cut off for lagging gets RESOURCE_EXHAUSTED."""
+        sub, snapshot = self.pool_events.subscribe(request.key_prefix, context.peer())
+        try:
+            for msg in snapshot:
+                yield msg
+            while True:
+                msg = await sub.queue.get()
+                if msg is None:
+                    if sub.dropped:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"pool watcher cut off: {sub.dropped}; resubscribe")
+                    return
+                yield msg
+        finally:
+            self.pool_events.unsubscribe(sub)
+
     @_rpc
     async def TaskDone(self, request, context):
         if request.client_id not in self.master.clients:
@@ -268,12 +331,20 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
 
 class MasterRunner:
-    """A StoreService on a RoleServer plus its housekeeping; what the store role and tests start."""
+    """A StoreService on a RoleServer plus its housekeeping; what the store role and tests start.
 
-    def __init__(self, policy: Policy, listen: str = "127.0.0.1:0", tick_s: float = TICK_S) -> None:
+    `fast_path_port`: where the fast path (fast_path.py) listens, on the gRPC listen host;
+    0 picks a free port, None turns it off (clients then use gRPC for everything).
+    """
+
+    def __init__(self, policy: Policy, listen: str = "127.0.0.1:0", tick_s: float = TICK_S,
+                 fast_path_port: int | None = 0) -> None:
         self.service = StoreService(policy)
         self.server = RoleServer(listen, [SERVICE_NAME])
         store_pb2_grpc.add_StoreMasterServicer_to_server(self.service, self.server.server)
+        self._listen_host = listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
+        self._fast_port = fast_path_port
+        self.fast_path: FastPathServer | None = None
         self._tick_s = tick_s
         self._housekeeping: asyncio.Task | None = None
 
@@ -283,12 +354,18 @@ class MasterRunner:
 
     async def start(self) -> int:
         port = await self.server.start()
+        if self._fast_port is not None:
+            self.fast_path = FastPathServer(self.service)
+            self.service.fast_path_port = await self.fast_path.start(self._listen_host, self._fast_port)
         self._housekeeping = spawn(self.service.housekeeping(self._tick_s), "store-housekeeping")
-        logger.info("store master (epoch %d) serving on port %d", self.master.epoch, port)
+        logger.info("store master (epoch %d) serving on port %d (fast path: %s)", self.master.epoch, port,
+                    self.service.fast_path_port or "off")
         return port
 
     async def stop(self, grace_s: float = 1.0) -> None:
         if self._housekeeping is not None:
             self._housekeeping.cancel()
         self.service.close_streams()
+        if self.fast_path is not None:
+            await self.fast_path.close()
         await self.server.stop(grace_s)

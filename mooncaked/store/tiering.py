@@ -76,6 +76,7 @@ def settle(m: StoreMaster, task: Task, ok: bool, error: str) -> None:
         obj.lease_until = max(obj.lease_until, m.clock() + m.policy.lease_s)  # the waiting reader's
         m.promotions += 1
         metrics.PROMOTIONS.labels("ok").inc()
+        m._announce(obj)  # back in DRAM
     else:
         metrics.PROMOTIONS.labels("failed").inc()
         logger.warning("promotion of %s from %s failed: %s", task.key, task.src_segment, error or "gone")
@@ -106,7 +107,9 @@ def demotion_done(m: StoreMaster, task: Task, obj: ObjectMeta | None, ok: bool, 
         m.demotions += 1
         metrics.EVICTIONS.labels("dram", "demote").inc()
         if src is not None and obj.lease_until <= m.clock():
-            m._drop_replica(obj, src)
+            m._drop_replica(obj, src)  # announces the move to LMDB
+        else:
+            m._announce(obj)  # still in DRAM while leased (or its DRAM copy went meanwhile)
         return
     logger.warning("demotion of %s to %s failed: %s", task.key, task.dst_segment, error)
     m._drop_replica(obj, dst)

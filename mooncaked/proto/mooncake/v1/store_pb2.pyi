@@ -9,6 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("fast_path_port", "master_epoch")
+    FAST_PATH_PORT_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    fast_path_port: int
+    master_epoch: int
+    def __init__(self, fast_path_port: _Optional[int] = ..., master_epoch: _Optional[int] = ...) -> None: ...
+
 class Replica(_message.Message):
     __slots__ = ("segment", "offset", "size", "endpoint", "medium")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
@@ -138,10 +150,12 @@ class PutStartReply(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., exists: _Optional[bool] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PutEndReply(_message.Message):
     __slots__ = ("ok",)
@@ -174,20 +188,74 @@ class BatchPutStartReply(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PutStartReply, _Mapping]]] = ...) -> None: ...
 
 class BatchPutEndRequest(_message.Message):
-    __slots__ = ("keys", "revoke_keys")
+    __slots__ = ("keys", "revoke_keys", "checksums", "reserved", "revoke_reservations")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     REVOKE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     revoke_keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., revoke_keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    reserved: _containers.RepeatedCompositeFieldContainer[ReservedPut]
+    revoke_reservations: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., revoke_keys: _Optional[_Iterable[str]] = ..., checksums: _Optional[_Iterable[int]] = ..., reserved: _Optional[_Iterable[_Union[ReservedPut, _Mapping]]] = ..., revoke_reservations: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReservedPut(_message.Message):
+    __slots__ = ("reservation", "key", "checksum", "soft_pin")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SOFT_PIN_FIELD_NUMBER: _ClassVar[int]
+    reservation: int
+    key: str
+    checksum: int
+    soft_pin: bool
+    def __init__(self, reservation: _Optional[int] = ..., key: _Optional[str] = ..., checksum: _Optional[int] = ..., soft_pin: _Optional[bool] = ...) -> None: ...
+
+class ReservePlacesRequest(_message.Message):
+    __slots__ = ("client_id", "size", "count", "replicas", "preferred_segment", "first_for_a_put")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FOR_A_PUT_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    size: int
+    count: int
+    replicas: int
+    preferred_segment: str
+    first_for_a_put: bool
+    def __init__(self, client_id: _Optional[str] = ..., size: _Optional[int] = ..., count: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., first_for_a_put: _Optional[bool] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("id", "replicas")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, id: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class ReservePlacesReply(_message.Message):
+    __slots__ = ("reservations", "timeout_s", "master_epoch")
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    reservations: _containers.RepeatedCompositeFieldContainer[Reservation]
+    timeout_s: float
+    master_epoch: int
+    def __init__(self, reservations: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., master_epoch: _Optional[int] = ...) -> None: ...
 
 class BatchPutEndReply(_message.Message):
-    __slots__ = ("committed", "revoked")
+    __slots__ = ("committed", "revoked", "reserved_ok")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     REVOKED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_OK_FIELD_NUMBER: _ClassVar[int]
     committed: int
     revoked: int
-    def __init__(self, committed: _Optional[int] = ..., revoked: _Optional[int] = ...) -> None: ...
+    reserved_ok: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, committed: _Optional[int] = ..., revoked: _Optional[int] = ..., reserved_ok: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
     __slots__ = ("key", "client_id")
@@ -386,3 +454,37 @@ class PoolStatsReply(_message.Message):
     master_epoch: int
     clients: int
     def __init__(self, segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., objects: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., master_epoch: _Optional[int] = ..., clients: _Optional[int] = ...) -> None: ...
+
+class WatchPoolRequest(_message.Message):
+    __slots__ = ("key_prefix",)
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    key_prefix: str
+    def __init__(self, key_prefix: _Optional[str] = ...) -> None: ...
+
+class PoolEvent(_message.Message):
+    __slots__ = ("kind", "keys", "medium")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[PoolEvent.Kind]
+        KIND_STORED: _ClassVar[PoolEvent.Kind]
+        KIND_REMOVED: _ClassVar[PoolEvent.Kind]
+    KIND_UNSPECIFIED: PoolEvent.Kind
+    KIND_STORED: PoolEvent.Kind
+    KIND_REMOVED: PoolEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    kind: PoolEvent.Kind
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    medium: str
+    def __init__(self, kind: _Optional[_Union[PoolEvent.Kind, str]] = ..., keys: _Optional[_Iterable[str]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class PoolEvents(_message.Message):
+    __slots__ = ("events", "snapshot_done", "master_epoch")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_DONE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[PoolEvent]
+    snapshot_done: bool
+    master_epoch: int
+    def __init__(self, events: _Optional[_Iterable[_Union[PoolEvent, _Mapping]]] = ..., snapshot_done: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...

@@ -80,6 +80,11 @@ class StoreMasterStub:
                 request_serializer=mooncake_dot_v1_dot_store__pb2.BatchPutEndRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_store__pb2.BatchPutEndReply.FromString,
                 _registered_method=True)
+        self.ReservePlaces = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/ReservePlaces',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.ReservePlacesRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.ReservePlacesReply.FromString,
+                _registered_method=True)
         self.GetReplicas = channel.unary_unary(
                 '/mooncake.v1.StoreMaster/GetReplicas',
                 request_serializer=mooncake_dot_v1_dot_store__pb2.GetReplicasRequest.SerializeToString,
@@ -129,6 +134,16 @@ class StoreMasterStub:
                 '/mooncake.v1.StoreMaster/PoolStats',
                 request_serializer=mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_store__pb2.PoolStatsReply.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/Describe',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.DescribeReply.FromString,
+                _registered_method=True)
+        self.WatchPool = channel.unary_stream(
+                '/mooncake.v1.StoreMaster/WatchPool',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.WatchPoolRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.PoolEvents.FromString,
                 _registered_method=True)
 
 
@@ -189,6 +204,14 @@ class StoreMasterServicer:
 
     def BatchPutEnd(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReservePlaces(self, request, context):
+        """Places reserved ahead, for puts whose keys are not known yet: a put into one is then only the
+        write and one BatchPutEnd (see ReservedPut). KV blocks all have one size, so a writer keeps a few.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -258,6 +281,20 @@ class StoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Where the master's fast path listens (see FastPathFrame below).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchPool(self, request, context):
+        """What the pool holds, for prefix indexes (the conductor): a snapshot, then live changes (see PoolEvents).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -305,6 +342,11 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.BatchPutEnd,
                     request_deserializer=mooncake_dot_v1_dot_store__pb2.BatchPutEndRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_store__pb2.BatchPutEndReply.SerializeToString,
+            ),
+            'ReservePlaces': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReservePlaces,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.ReservePlacesRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.ReservePlacesReply.SerializeToString,
             ),
             'GetReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicas,
@@ -355,6 +397,16 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.PoolStats,
                     request_deserializer=mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_store__pb2.PoolStatsReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.DescribeRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.DescribeReply.SerializeToString,
+            ),
+            'WatchPool': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchPool,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.WatchPoolRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.PoolEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -601,6 +653,33 @@ class StoreMaster:
             '/mooncake.v1.StoreMaster/BatchPutEnd',
             mooncake_dot_v1_dot_store__pb2.BatchPutEndRequest.SerializeToString,
             mooncake_dot_v1_dot_store__pb2.BatchPutEndReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReservePlaces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/ReservePlaces',
+            mooncake_dot_v1_dot_store__pb2.ReservePlacesRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.ReservePlacesReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -871,6 +950,60 @@ class StoreMaster:
             '/mooncake.v1.StoreMaster/PoolStats',
             mooncake_dot_v1_dot_store__pb2.PoolStatsRequest.SerializeToString,
             mooncake_dot_v1_dot_store__pb2.PoolStatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/Describe',
+            mooncake_dot_v1_dot_store__pb2.DescribeRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.DescribeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/WatchPool',
+            mooncake_dot_v1_dot_store__pb2.WatchPoolRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.PoolEvents.FromString,
             options,
             channel_credentials,
             insecure,

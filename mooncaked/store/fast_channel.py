@@ -1,0 +1,137 @@
+"""The client end of the master's fast path: one multiplexed connection, calls matched by id.
+
+A call that times out gives up its id (a late reply is dropped); a lost connection fails
+every call waiting on it with StoreUnavailable, and the owner opens a new channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from google.protobuf.message import Message
+
+from mooncaked.store.errors import StoreUnavailable, from_status
+from mooncaked.store.fast_wire import HELLO, METHODS, REPLY, FrameError, pack_request, read_frames
+
+logger = logging.getLogger(__name__)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, channel: FastChannel) -> None:
+        self._channel = channel
+        self._buf = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            frames, used = read_frames(self._buf, REPLY)
+        except FrameError as e:
+            self._channel.fail(f"the master broke the fast-path protocol: {e}")
+            return
+        for f in frames:
+            self._channel.resolve(f.call_id, f.tag, f.body)
+        del self._buf[:used]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._channel.fail(f"connection lost ({exc or 'closed by the master'})")
+
+
+class FastChannel:
+    """Calls StoreMaster's unary methods over the fast path; `await FastChannel.connect(...)`."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._transport: asyncio.Transport | None = None
+        self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+
+    @classmethod
+    async def connect(cls, host: str, port: int, timeout_s: float) -> FastChannel:
+        channel = cls(f"{host}:{port}")
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout_s):
+                transport, _ = await loop.create_connection(lambda: _Protocol(channel), host, port)
+        except (OSError, TimeoutError) as e:
+            raise StoreUnavailable(f"cannot reach the store master's fast path at {host}:{port}: {e}") from None
+        channel._transport = transport  # type: ignore[assignment]
+        transport.write(HELLO)
+        return channel
+
+    async def call(self, method: str, request: Message, timeout_s: float) -> Message:
+        """The reply, or the typed StoreError the master answered (or StoreUnavailable)."""
+        return await self.send(method, request, timeout_s)
+
+    def send(self, method: str, request: Message, timeout_s: float) -> Coroutine[Any, Any, Message]:
+        """Put the call on the wire now; await what this returns for the reply (work can go on meanwhile)."""
+        return self._decoded(METHODS[method].reply, self.send_raw(method, request.SerializeToString(), timeout_s))
+
+    async def call_raw(self, method: str, body: bytes, timeout_s: float) -> bytes:
+        """Any method name and body, as they are (tests speak bad requests with it)."""
+        return await self.send_raw(method, body, timeout_s)
+
+    def send_raw(self, method: str, body: bytes, timeout_s: float) -> Coroutine[Any, Any, bytes]:
+        if self.closed or self._transport is None:
+            raise StoreUnavailable(f"store master fast path {self.address} is closed")
+        call_id = next(self._ids) & 0xFFFFFFFF
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
+        self._pending[call_id] = fut
+        # one timer per call, not asyncio.timeout: its context machinery costs more than the call itself here
+        timer = loop.call_at(loop.time() + timeout_s, self._expire, call_id, method, timeout_s)
+        self._transport.writelines(pack_request(call_id, method, int(timeout_s * 1000), body))
+        return self._reply(call_id, fut, timer, method)
+
+    async def _reply(self, call_id: int, fut: asyncio.Future[tuple[int, bytes]], timer: asyncio.TimerHandle,
+                     method: str) -> bytes:
+        try:
+            status, body = await fut
+        finally:
+            timer.cancel()
+            self._pending.pop(call_id, None)
+        if status:
+            raise from_status(status, body.decode("utf-8", "replace"), method)
+        return body
+
+    @staticmethod
+    async def _decoded(reply_type: type[Message], raw: Coroutine[Any, Any, bytes]) -> Message:
+        return reply_type.FromString(await raw)
+
+    def _expire(self, call_id: int, method: str, timeout_s: float) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(StoreUnavailable(f"store master {method}: no answer within {timeout_s}s "
+                                               f"on the fast path {self.address}"))
+
+    def resolve(self, call_id: int, status: int, body: bytes) -> None:
+        fut = self._pending.pop(call_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result((status, body))
+
+    def fail(self, why: str) -> None:
+        """Close and fail every waiting call (the owner reconnects for the next one)."""
+        if self.closed:
+            return
+        self.closed = True
+        logger.info("store fast path %s: %s", self.address, why)
+        if self._transport is not None:
+            self._transport.abort()
+        err = StoreUnavailable(f"store master fast path {self.address}: {why}")
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.fail("closed by the client")
