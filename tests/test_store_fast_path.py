@@ -245,3 +245,19 @@ async def test_reserved_places_of_a_restarted_master_are_dropped_and_puts_go_on(
         if second is not None:
             await second.stop()
         await first.stop()
+
+
+async def test_an_unreachable_fast_port_leaves_the_client_on_grpc():
+    runner = MasterRunner(Policy(), "127.0.0.1:0", tick_s=0.05)
+    port = await runner.start()
+    await runner.fast_path.close()  # Describe still names the port; nothing listens there any more
+    c = await client(f"127.0.0.1:{port}", "c", dram_bytes=1 << 20)
+    loop = asyncio.get_running_loop()
+    try:
+        for i in range(20):
+            assert await c.put(f"k{i}", b"x" * 1000)
+            assert await c.get(f"k{i}") == b"x" * 1000
+        assert c._fast is None and c._fast_retry_at > loop.time(), "a failed opening must back off"
+    finally:
+        await c.close()
+        await runner.stop()

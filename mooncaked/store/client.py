@@ -45,7 +45,9 @@ RECONNECT_OPTIONS = [  # a restarted master is found again within a second, not 
 ]
 T = TypeVar("T")
 MAX_AHEAD = 64  # most places of one shape kept
-FAST_RETRY_S = 1.0  # after the fast path failed to open, gRPC carries the calls this long
+FAST_RETRY_S = 1.0  # after the fast path failed to open, gRPC carries the calls this long (doubling to the max)
+FAST_RETRY_MAX_S = 30.0
+FAST_CONNECT_TIMEOUT_S = 1.0  # the master answered Describe: its fast port answers at once or not at all
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +118,7 @@ class StoreClient:
         self._tasks: list[asyncio.Task] = []
         self._fast: FastChannel | None = None
         self._fast_retry_at = 0.0  # after a fast-path failure, gRPC until then
+        self._fast_backoff = FAST_RETRY_S
         self._fast_lock = asyncio.Lock()
         self._places = Places()
         self._refilling: dict[Shape, asyncio.Task] = {}
@@ -212,25 +215,30 @@ class StoreClient:
             raise from_rpc_error(e, what) from None
 
     async def _open_fast(self) -> FastChannel | None:
-        """A fresh fast-path channel (asked for with Describe), or None to use gRPC for now."""
+        """A fresh fast-path channel (asked for with Describe), or None to use gRPC for now.
+
+        Calls never wait for an opening in progress (they take gRPC meanwhile), and failed openings
+        back off from FAST_RETRY_S up to FAST_RETRY_MAX_S, so a firewalled fast port costs nothing.
+        """
         loop = asyncio.get_running_loop()
-        if not self.config.fast_path or loop.time() < self._fast_retry_at:
+        if not self.config.fast_path or loop.time() < self._fast_retry_at or self._fast_lock.locked():
             return None
         async with self._fast_lock:
-            if self._fast is not None and not self._fast.closed:
-                return self._fast
             try:
                 reply = await self.stub.Describe(store_pb2.DescribeRequest(), timeout=self.config.rpc_timeout_s)
                 if not reply.fast_path_port:
-                    self._fast_retry_at = float("inf")  # this master has none
+                    self._fast_retry_at = loop.time() + FAST_RETRY_MAX_S  # this master has none (maybe the next)
                     return None
                 host = self.config.master.rsplit(":", 1)[0].strip("[]")
-                self._fast = await FastChannel.connect(host, reply.fast_path_port, self.config.rpc_timeout_s)
+                self._fast = await FastChannel.connect(host, reply.fast_path_port,
+                                                       min(self.config.rpc_timeout_s, FAST_CONNECT_TIMEOUT_S))
                 if reply.master_epoch != self._places.epoch:
                     self._places.forget()
+                self._fast_backoff = FAST_RETRY_S
                 return self._fast
             except (grpc.aio.AioRpcError, StoreError) as e:
-                self._fast_retry_at = loop.time() + FAST_RETRY_S
+                self._fast_retry_at = loop.time() + self._fast_backoff
+                self._fast_backoff = min(2 * self._fast_backoff, FAST_RETRY_MAX_S)
                 detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 logger.info("store client %s: no fast path to the master for now (%s); using gRPC",
                             self.config.client_id, detail)
