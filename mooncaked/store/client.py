@@ -232,8 +232,7 @@ class StoreClient:
                 host = self.config.master.rsplit(":", 1)[0].strip("[]")
                 self._fast = await FastChannel.connect(host, reply.fast_path_port,
                                                        min(self.config.rpc_timeout_s, FAST_CONNECT_TIMEOUT_S))
-                if reply.master_epoch != self._places.epoch:
-                    self._places.forget()
+                self._places.follow(reply.master_epoch)
                 self._fast_backoff = FAST_RETRY_S
                 return self._fast
             except (grpc.aio.AioRpcError, StoreError) as e:
@@ -287,7 +286,7 @@ class StoreClient:
                 if not got:
                     return None
                 place = got[0]
-                self._places.add(shape, got[1:], self._places.epoch)
+                self._places.add(shape, got[1:])
             assert place is not None
             try:
                 if direct is None:
@@ -326,9 +325,7 @@ class StoreClient:
 
     def _stock(self, shape: Shape, reply: store_pb2.ReservePlacesReply) -> list[Place]:
         """The places of a ReservePlaces reply, usable for half the master's timeout."""
-        if reply.master_epoch != self._places.epoch:
-            self._places.forget()
-            self._places.epoch = reply.master_epoch
+        self._places.follow(reply.master_epoch)
         use_by = asyncio.get_running_loop().time() + reply.timeout_s / 2
         return [Place(r.id, list(r.replicas), use_by) for r in reply.reservations]
 
@@ -350,7 +347,7 @@ class StoreClient:
             logger.debug("store client %s: could not reserve places ahead: %s", self.config.client_id, e)
             return
         got = self._stock(shape, reply)
-        await self._give_back(self._places.add(shape, got, self._places.epoch))
+        await self._give_back(self._places.add(shape, got))
 
     async def _give_back(self, reservations: list[int]) -> None:
         if not reservations:

@@ -51,12 +51,9 @@ class Places:
     def count(self, shape: Shape) -> int:
         return len(self._stock.get(shape, ()))
 
-    def add(self, shape: Shape, places: list[Place], epoch: int) -> list[int]:
-        """Keep places (of the master with `epoch`); returns reservations to give back (a stock pushed out)."""
+    def add(self, shape: Shape, places: list[Place]) -> list[int]:
+        """Keep places; returns reservations to give back (a stock pushed out by a new shape)."""
         give_back: list[int] = []
-        if epoch != self.epoch:
-            self._stock.clear()  # a restarted master does not know the old ones: nothing to give back
-            self.epoch = epoch
         stock = self._stock.get(shape)
         if stock is None:
             if len(self._stock) >= MAX_SHAPES:
@@ -71,6 +68,12 @@ class Places:
         out = [p.reservation for stock in self._stock.values() for p in stock]
         self._stock.clear()
         return out
+
+    def follow(self, epoch: int) -> None:
+        """The master now answering has this epoch: a stock from another master is unknown to it."""
+        if epoch != self.epoch:
+            self.forget()
+            self.epoch = epoch
 
     def forget(self) -> None:
         """Drop the stock without giving it back (the master that made it is gone)."""

@@ -245,10 +245,12 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 res = self.master.get_replicas(key)
             except NotFound:
                 res = None
-            except NoRoom:
-                res, waiting = None, waiting + [i]
+            except NoRoom:  # its promotion waits for DRAM room: below, with the promotions
+                res = None
+                waiting.append(i)
             if isinstance(res, PromotionPending):
-                res, waiting = None, waiting + [i]
+                res = None
+                waiting.append(i)
             views.append(res)
         if waiting:
             deadline = self._deadline(context)
