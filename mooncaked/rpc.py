@@ -26,6 +26,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 ]
+# for channels to a peer that may restart (the store master): found again within a second, not after
+# gRPC's default reconnect backoff (up to 2 minutes)
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # servers accept the clients' keepalive pings (the default policy answers them with GOAWAY)
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),

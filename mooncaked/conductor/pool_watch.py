@@ -25,7 +25,7 @@ import grpc
 from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
-from mooncaked.rpc import CHANNEL_OPTIONS
+from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ STREAM_DEADLINE_S = 600.0
 """The stream is reopened (with a fresh snapshot) this often even when nothing broke."""
 RETRY_S = 0.2
 MAX_RETRY_S = 5.0
-_RECONNECT = [  # a restarted master is found within a second, not after gRPC's default backoff (up to 2 min)
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 _STORED, _REMOVED = store_pb2.PoolEvent.KIND_STORED, store_pb2.PoolEvent.KIND_REMOVED
 
 
@@ -53,7 +48,7 @@ class PoolWatch:
         self.stream_deadline_s = stream_deadline_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
-        self.channel = grpc.aio.insecure_channel(store, options=CHANNEL_OPTIONS + _RECONNECT)
+        self.channel = grpc.aio.insecure_channel(store, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = store_pb2_grpc.StoreMasterStub(self.channel)
         self.synced = False  # the current stream's snapshot is applied
         self.epoch = 0  # the master's, as of the last snapshot

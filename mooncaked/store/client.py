@@ -11,7 +11,6 @@ into its DRAM segment first (see tier_worker.py), so a reader always pulls from 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ import grpc
 import torch
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
-from mooncaked.rpc import CHANNEL_OPTIONS
+from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
@@ -38,11 +37,6 @@ from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 logger = logging.getLogger(__name__)
 
 Data = bytes | bytearray | memoryview | torch.Tensor
-RECONNECT_OPTIONS = [  # a restarted master is found again within a second, not after gRPC's default backoff
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 T = TypeVar("T")
 MAX_AHEAD = 64  # most places of one shape kept
 FAST_RETRY_S = 1.0  # after the fast path failed to open, gRPC carries the calls this long (doubling to the max)
@@ -90,15 +84,6 @@ class StoreClientConfig:
         values.update(overrides)
         return cls(**values)
 
-
-def _host_bytes(data: Data) -> memoryview | None:
-    """The object's bytes as a flat view of the caller's own host memory, or None when they must be
-    gathered first (a tensor on a device, or not contiguous)."""
-    if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu" or not data.is_contiguous():
-            return None
-        return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
-    return memoryview(data).cast("B")
 
 
 class StoreClient:
@@ -266,18 +251,12 @@ class StoreClient:
         loop = asyncio.get_running_loop()
         shape = Shape(size, self.config.replicas, self.dram_segment if self.config.prefer_local and self.dram else "")
         place = self._places.take(shape, loop.time())
-        direct = _host_bytes(data) if self.transfer.takes_buffers else None
-        async with contextlib.AsyncExitStack() as stack:
+        async with self.staging.lease([size]) as (off,):
             reserving = None if place is not None else await self._send(
                 "ReservePlaces", self.stub.ReservePlaces,
                 self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
-            if direct is None:  # gather the bytes in the staging area (device or strided tensors; rdma)
-                (off,) = await stack.enter_async_context(self.staging.lease([size]))
-                self.staging.stage(off, data)
-                source = self.staging.slice(off, size)
-            else:  # written straight from the caller's memory: no staging copy
-                source = direct
-            csum = checksum(source)  # while the master reserves, if it does
+            self.staging.stage(off, data)
+            csum = checksum(self.staging.slice(off, size))  # while the master reserves, if it does
             if reserving is not None:
                 try:
                     got = self._stock(shape, await reserving)
@@ -288,16 +267,10 @@ class StoreClient:
                 place = got[0]
                 self._places.add(shape, got[1:])
             assert place is not None
+            ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
+                   for rep in place.replicas]
             try:
-                if direct is None:
-                    await self.transfer.submit(
-                        [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region,
-                                    rep.offset, size) for rep in place.replicas],
-                        timeout_s=self.config.transfer_timeout_s)
-                else:
-                    for rep in place.replicas:
-                        await self.transfer.submit_buffer("write", direct, rep.endpoint.address, rep.endpoint.region,
-                                                          rep.offset, self.config.transfer_timeout_s)
+                await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
             except TransferError as e:
                 logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, e)
                 await self._give_back([place.reservation])

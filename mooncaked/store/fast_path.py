@@ -11,7 +11,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Coroutine
 from typing import Any, NoReturn
 
 import grpc
@@ -88,12 +87,7 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def _start(self, call_id: int, name: str, body: bytes, timeout_ms: int) -> None:
-        coro = self._serve(call_id, name, body, timeout_ms)
-        try:
-            first = coro.send(None)  # most calls never wait: answer them now, without a task's loop hop
-        except StopIteration:
-            return
-        task = asyncio.get_running_loop().create_task(_resume(coro, first))
+        task = asyncio.get_running_loop().create_task(self._serve(call_id, name, body, timeout_ms))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -105,22 +99,6 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
-
-
-async def _resume(coro: Coroutine[Any, Any, None], waiting_on: Any) -> None:
-    """Drive a coroutine that suspended on its first step, as a Task would have."""
-    while True:
-        try:
-            if waiting_on is None:
-                await asyncio.sleep(0)
-            else:
-                await asyncio.wait([waiting_on])  # the coroutine reads the outcome itself when resumed
-            waiting_on = coro.send(None)
-        except StopIteration:
-            return
-        except asyncio.CancelledError:
-            coro.close()
-            raise
 
 
 class FastPathServer:

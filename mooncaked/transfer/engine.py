@@ -11,10 +11,8 @@ or been aborted, so a failed submit leaves nothing in flight.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
-import warnings
 from collections.abc import Sequence
 from typing import Literal
 
@@ -40,20 +38,6 @@ from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_t
 from mooncaked.transfer.tcp_server import TcpServer
 
 logger = logging.getLogger(__name__)
-
-PRIVATE_PREFIX = "\x00buffer/"  # names of the private regions submit_buffer makes
-
-
-def _as_bytes_tensor(buffer: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
-    """A flat uint8 tensor over the buffer's own memory (no copy)."""
-    if isinstance(buffer, torch.Tensor):
-        return buffer
-    view = memoryview(buffer).cast("B")
-    if view.nbytes == 0:
-        raise TransferError("submit_buffer needs a non-empty buffer")
-    with warnings.catch_warnings():  # a write's source may be read-only (bytes): it is only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(view, dtype=torch.uint8)
 
 
 class TransferEngine:
@@ -89,7 +73,6 @@ class TransferEngine:
         self._shm = ShmPath(self._regions, backend == "shm", copy_threads) if backend in ("shm", "auto") else None
         self._rdma: MooncakeTransport | None = None
         self.address: str | None = None
-        self._buffer_ids = itertools.count(1)
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------
@@ -207,38 +190,6 @@ class TransferEngine:
         elif by_peer:
             await asyncio.gather(*(self._submit_peer(p, ix, batch, timeout, results) for p, ix in by_peer.items()))
         _raise_first(results)
-
-    @property
-    def takes_buffers(self) -> bool:
-        """Whether submit_buffer works here (tcp and shm move any host memory; rdma needs it registered)."""
-        return self._rdma is None and self.backend not in MOONCAKE_BACKENDS
-
-    async def submit_buffer(
-        self,
-        kind: str,
-        buffer: bytes | bytearray | memoryview | torch.Tensor,
-        peer: str,
-        remote_region: str,
-        remote_offset: int,
-        timeout_s: float | None = None,
-    ) -> None:
-        """One op from (write) or into (read) memory that is not registered, so a single put or get
-        need not copy through a staging region: tcp sends from / receives into it, shm copies once.
-
-        The buffer is a private region for the op's duration (peers cannot name it). A read needs
-        writable memory. Not on rdma, whose memory must be registered: TransferError; stage it.
-        """
-        if not self.takes_buffers:
-            raise TransferError(f"backend {self.backend!r} moves registered memory only; stage the bytes in a "
-                                "registered region and use submit()")
-        tensor = _as_bytes_tensor(buffer)
-        name = f"{PRIVATE_PREFIX}{next(self._buffer_ids)}"
-        self._regions.add(name, tensor, private=True)
-        try:
-            await self.submit([TransferOp(kind, name, 0, peer, remote_region, remote_offset, tensor.numel())],
-                              timeout_s)
-        finally:
-            self._regions.remove(name)
 
     async def _submit_one(self, op: TransferOp, timeout: float) -> BaseException | None:
         """A batch of one (every single-object put/get): its error, if any.

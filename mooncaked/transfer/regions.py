@@ -56,7 +56,6 @@ class RegionTable:
 
     def __init__(self) -> None:
         self._regions: dict[str, Region] = {}
-        self._private: dict[str, Region] = {}  # local-only: a caller's buffer for one op, never served to peers
 
     def add(
         self,
@@ -64,25 +63,21 @@ class RegionTable:
         tensor: torch.Tensor,
         shm_name: str | None = None,
         on_release: Callable[[], None] | None = None,
-        private: bool = False,
     ) -> Region:
         encoded = name.encode("utf-8")
         if not encoded or len(encoded) > MAX_REGION_NAME_BYTES:
             raise TransferError(f"region name must be 1..{MAX_REGION_NAME_BYTES} UTF-8 bytes, got {name!r}")
-        if name in self._regions or name in self._private:
+        if name in self._regions:
             raise TransferError(f"region {name!r} is already registered; unregister it first")
         flat, view = byte_views(tensor)
         info = RegionInfo(name, flat.numel(), shm_name, flat.data_ptr())  # == tensor.data_ptr()
         region = Region(info, tensor, flat, view, on_release)
-        if private:
-            self._private[name] = region
-            return region
         self._regions[name] = region
         logger.debug("registered region %r (%d bytes, shm=%s)", name, info.nbytes, shm_name)
         return region
 
     def remove(self, name: str) -> Region:
-        region = self._regions.pop(name, None) or self._private.pop(name, None)
+        region = self._regions.pop(name, None)
         if region is None:
             raise UnknownRegionError(f"region {name!r} is not registered here")
         if region.on_release is not None:
@@ -93,11 +88,8 @@ class RegionTable:
         return self._regions.get(name)
 
     def lookup(self, name: str, offset: int, length: int, where: str = "local") -> Region:
-        """The region, after checking that [offset, offset+length) lies in it (a peer's request
-        never finds a private one)."""
+        """The region, after checking that [offset, offset+length) lies in it."""
         region = self._regions.get(name)
-        if region is None and where == "local":
-            region = self._private.get(name)
         if region is None:
             raise UnknownRegionError(
                 f"{where} region {name!r} is not registered "
