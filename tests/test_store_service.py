@@ -8,6 +8,7 @@ import os
 
 import grpc
 import pytest
+import torch
 from prometheus_client import REGISTRY
 from store_helpers import client, start
 
@@ -153,10 +154,11 @@ async def test_replicas_land_on_distinct_segments_and_survive_one_segment_going(
         await runner.stop()
 
 
-async def test_a_corrupt_dram_copy_is_a_miss_removed_and_counted():
+@pytest.mark.parametrize("backend", ["tcp", "auto"])  # auto: the copy is read straight out of shared memory
+async def test_a_corrupt_dram_copy_is_a_miss_removed_and_counted(backend: str):
     runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=256 * KiB)
-    reader = await client(addr, "reader")
+    owner = await client(addr, "owner", dram_bytes=256 * KiB, transfer_backend=backend)
+    reader = await client(addr, "reader", transfer_backend=backend)
     try:
         data = os.urandom(16 * KiB)
         assert await reader.put("m/x", data)
@@ -171,4 +173,36 @@ async def test_a_corrupt_dram_copy_is_a_miss_removed_and_counted():
     finally:
         await reader.close()
         await owner.close()
+        await runner.stop()
+
+
+async def test_puts_and_gets_through_shared_memory_match_the_staged_path():
+    """Over backend auto a caller's bytes go straight into the owner's segment and come straight
+    back as bytes; tensors (and the tcp client) take the staging area. Each reads what the others wrote."""
+    runner, addr = await start()
+    owner = await client(addr, "owner", dram_bytes=1 << 20, transfer_backend="auto")
+    shm = await client(addr, "shm", transfer_backend="auto")
+    tcp = await client(addr, "tcp", transfer_backend="tcp")
+    try:
+        blobs = {f"s/{i}": os.urandom(9 * KiB + i) for i in range(6)}
+        kinds = [bytes, bytearray, memoryview]
+        shm_sent = metric("mooncaked_transfer_sent_bytes_total", backend="shm")
+        for i, (k, v) in enumerate(blobs.items()):
+            assert await (shm if i % 2 else tcp).put(k, kinds[i % 3](v))
+        assert metric("mooncaked_transfer_sent_bytes_total", backend="shm") - shm_sent == sum(
+            len(v) for i, v in enumerate(blobs.values()) if i % 2)
+        t = torch.arange(1024, dtype=torch.float32)
+        assert await shm.put("s/tensor", t)
+        for c in (shm, tcp):
+            for k, v in blobs.items():
+                assert await c.get(k) == v
+            keys = [*blobs, "s/missing", "s/tensor"]
+            got = await c.batch_get(keys)
+            assert got[:len(blobs)] == list(blobs.values()) and got[len(blobs)] is None
+            assert got[-1] == bytes(t.numpy())
+            out = torch.empty(1024, dtype=torch.float32)
+            assert await c.get_into("s/tensor", out) and torch.equal(out, t)
+    finally:
+        for c in (tcp, shm, owner):
+            await c.close()
         await runner.stop()

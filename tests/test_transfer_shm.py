@@ -123,3 +123,51 @@ def test_shm_backend_needs_peer_regions_in_shm(clean_shm: object) -> None:
             await b.close()
 
     uvloop.run(body())
+
+
+def received(backend: str) -> float:
+    return REGISTRY.get_sample_value("mooncaked_transfer_received_bytes_total", {"backend": backend}) or 0.0
+
+
+@pytest.mark.timeout(60)
+def test_write_from_and_read_bytes_copy_caller_buffers_once_through_shm(clean_shm: object) -> None:
+    """A single put/get's bytes need no registered region on this host; elsewhere they say so
+    (False / None) and move nothing, and bad ranges are refused like submit() refuses them."""
+
+    async def body() -> None:
+        a, b = TransferEngine(backend="auto"), TransferEngine(backend="auto")
+        addr = await b.start()
+        tcp_only = TransferEngine(backend="tcp")
+        try:
+            dst = b.alloc_region("dst", MiB)
+            plain = torch.zeros(4096, dtype=torch.uint8)
+            b.register("plain", plain)
+            payload = bytes(rand_bytes(1000, 7).numpy())
+            shm_sent, shm_got = sent("shm"), received("shm")
+            assert await a.write_from(payload, addr, "dst", 4096)
+            assert bytes(dst[4096:5096].numpy()) == payload
+            assert await a.write_from(bytearray(b"xy"), addr, "dst", 0)
+            assert await a.write_from(memoryview(torch.arange(4, dtype=torch.int32).numpy()), addr, "dst", 8)
+            assert bytes(dst[8:24].numpy()) == bytes(torch.arange(4, dtype=torch.int32).numpy())
+            got = await a.read_bytes(addr, "dst", 4096, 1000)
+            assert type(got) is bytes and got == payload
+            assert sent("shm") - shm_sent == 1000 + 2 + 16 and received("shm") - shm_got == 1000
+            # not in shared memory, or no shm path at all: nothing moves, the caller stages
+            assert not await a.write_from(payload, addr, "plain", 0) and not plain.any()
+            assert await a.read_bytes(addr, "plain", 0, 16) is None
+            assert not await tcp_only.write_from(payload, addr, "dst", 0)
+            assert await tcp_only.read_bytes(addr, "dst", 0, 16) is None
+            with pytest.raises(TransferError, match="out of bounds|exceeds|outside"):
+                await a.write_from(payload, addr, "dst", MiB - 10)
+            with pytest.raises(TransferError, match="positive length"):
+                await a.read_bytes(addr, "dst", 0, 0)
+            with pytest.raises(TransferError, match="positive length"):
+                await a.read_bytes(addr, "dst", -1, 10)
+            with pytest.raises(UnknownRegionError, match="'nope'"):
+                await a.read_bytes(addr, "nope", 0, 10)
+        finally:
+            await tcp_only.close()
+            await a.close()
+            await b.close()
+
+    uvloop.run(body())

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 Data = bytes | bytearray | memoryview | torch.Tensor
 T = TypeVar("T")
 MAX_AHEAD = 64  # most places of one shape kept
+REFILL_STEPS = 8  # a refill tops up about 1/8 of the places kept
 FAST_RETRY_S = 1.0  # after the fast path failed to open, gRPC carries the calls this long (doubling to the max)
 FAST_RETRY_MAX_S = 30.0
 FAST_CONNECT_TIMEOUT_S = 1.0  # the master answered Describe: its fast port answers at once or not at all
@@ -183,6 +184,9 @@ class StoreClient:
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[T]], request) -> T:
         """One metadata call: on the fast path when the master offers it, else (or while it is down) gRPC."""
+        fast = self._fast
+        if fast is not None and not fast.closed:
+            return await fast.call(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
         return await (await self._send(what, fn, request))
 
     async def _send(self, what: str, fn: Callable[..., Awaitable[T]], request) -> Awaitable[T]:
@@ -251,31 +255,30 @@ class StoreClient:
         loop = asyncio.get_running_loop()
         shape = Shape(size, self.config.replicas, self.dram_segment if self.config.prefer_local and self.dram else "")
         place = self._places.take(shape, loop.time())
-        async with self.staging.lease([size]) as (off,):
-            reserving = None if place is not None else await self._send(
-                "ReservePlaces", self.stub.ReservePlaces,
-                self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
-            self.staging.stage(off, data)
-            csum = checksum(self.staging.slice(off, size))  # while the master reserves, if it does
-            if reserving is not None:
-                try:
-                    got = self._stock(shape, await reserving)
-                except NoRoom:
-                    return None
-                if not got:
-                    return None
-                place = got[0]
-                self._places.add(shape, got[1:])
-            assert place is not None
-            ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
-                   for rep in place.replicas]
+        if place is not None:
+            self._refill_soon(shape)  # now: the master reserves while this put writes, not during its commit
+        reserving = None if place is not None else await self._send(
+            "ReservePlaces", self.stub.ReservePlaces,
+            self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
+        # a caller's bytes are checksummed as they are (while the master reserves, if it does)
+        csum = None if isinstance(data, torch.Tensor) else checksum(data)
+        if reserving is not None:
             try:
-                await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
-            except TransferError as e:
-                logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, e)
-                await self._give_back([place.reservation])
-                metrics.client_op("put", "failed").inc()
-                return False
+                got = self._stock(shape, await reserving)
+            except NoRoom:
+                return None
+            if not got:
+                return None
+            place = got[0]
+            self._places.add(shape, got[1:])
+        assert place is not None
+        try:
+            csum = await self._write_place(data, size, place, csum)
+        except TransferError as e:
+            logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, e)
+            await self._give_back([place.reservation])
+            metrics.client_op("put", "failed").inc()
+            return False
         end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
                                                                              checksum=csum, soft_pin=soft_pin)])
         reply = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
@@ -284,8 +287,30 @@ class StoreClient:
             return None
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
-        self._refill_soon(shape)
         return True
+
+    async def _write_place(self, data: Data, size: int, place: Place, csum: int | None) -> int:
+        """Write one object into every copy of its place; returns its checksum (`csum` when given).
+
+        A caller's bytes (`csum` given) go straight into copies on this host: one copy, with
+        transfer.write_from. Tensors, and copies elsewhere, go through the staging area.
+        """
+        assert self.staging is not None
+        staged = place.replicas
+        if csum is not None:
+            staged = [rep for rep in place.replicas
+                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,  # type: ignore[arg-type]
+                                                            rep.offset, self.config.transfer_timeout_s)]
+            if not staged:
+                return csum
+        async with self.staging.lease([size]) as (off,):
+            self.staging.stage(off, data)
+            if csum is None:
+                csum = checksum(self.staging.slice(off, size))
+            ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
+                   for rep in staged]
+            await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
+        return csum
 
     def _ahead(self, shape: Shape) -> int:
         """How many places of this shape to keep: reserve_ahead_bytes' worth, within [2, 64]."""
@@ -303,19 +328,29 @@ class StoreClient:
         return [Place(r.id, list(r.replicas), use_by) for r in reply.reservations]
 
     def _refill_soon(self, shape: Shape) -> None:
-        """Top the stock up in the background once it is half gone (one refill per shape at a time)."""
-        if self._places.count(shape) * 2 > self._ahead(shape) or shape in self._refilling:
+        """Top the stock up in the background, a few places at a time (one refill per shape at a time).
+
+        Small steps, asked for at once (on the fast path the request is written before this
+        returns): the master reserves in one go, so a big refill, or one sent behind a commit,
+        would hold up the next commit; a few places are reserved while a put is still writing."""
+        ahead = self._ahead(shape)
+        have = self._places.count(shape)
+        if have > ahead - max(1, ahead // REFILL_STEPS) or shape in self._refilling:
             return
-        task = spawn(self._refill(shape), f"store-reserve-{self.config.client_id}")
+        request = self._reserve_request(shape, ahead - have)
+        fast = self._fast
+        sent = fast.send("ReservePlaces", request, self.config.rpc_timeout_s) if fast and not fast.closed else None
+        task = spawn(self._refill(shape, request, sent), f"store-reserve-{self.config.client_id}")
         self._refilling[shape] = task
         task.add_done_callback(lambda _: self._refilling.pop(shape, None))
 
-    async def _refill(self, shape: Shape) -> None:
-        want = self._ahead(shape) - self._places.count(shape)
-        if want <= 0:
-            return
+    async def _refill(self, shape: Shape, request: store_pb2.ReservePlacesRequest,
+                      sent: Awaitable[store_pb2.ReservePlacesReply] | None) -> None:
         try:
-            reply = await self._call("ReservePlaces", self.stub.ReservePlaces, self._reserve_request(shape, want))
+            if sent is not None:
+                reply = await sent
+            else:
+                reply = await self._call("ReservePlaces", self.stub.ReservePlaces, request)
         except StoreError as e:  # no room now, master away: single puts take the batch path meanwhile
             logger.debug("store client %s: could not reserve places ahead: %s", self.config.client_id, e)
             return
@@ -415,14 +450,47 @@ class StoreClient:
         return (await self.batch_get([key]))[0]
 
     async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Each object's bytes or None. A copy on this host is read straight into the returned bytes
+        (one copy, transfer.read_bytes); the others, and reads that fail, go through staging."""
         out: list[bytes | None] = [None] * len(keys)
 
         def sink(i: int, off: int, size: int) -> bool:
             out[i] = bytes(self.staging.slice(off, size))
             return True
 
-        await self._fetch(keys, sink)
+        await self._fetch(keys, sink, out)
         return out
+
+    @staticmethod
+    def _intact(obj: store_pb2.ObjectReplicas, data: object) -> bool:
+        """Whether bytes read match the object's checksum (a mismatch is logged and counted)."""
+        if checksum(data) == obj.checksum:
+            return True
+        metrics.CHECKSUM_FAILURES.labels(obj.replicas[0].medium or "dram").inc()
+        logger.error("store object %s failed its checksum after a read; dropping it (a miss)", obj.key)
+        return False
+
+    async def _read_direct(self, objs: list, index: dict[str, int], out: list[bytes | None], got: list[bool],
+                           corrupt: list[str]) -> list:
+        """Read what shared memory reaches straight into `out`; returns the objects left for staging."""
+        left = []
+        for o in objs:
+            rep = o.replicas[0]
+            try:
+                data = await self.transfer.read_bytes(rep.endpoint.address, rep.endpoint.region, rep.offset, o.size,
+                                                      self.config.transfer_timeout_s)
+            except TransferError as e:
+                logger.info("store get of %s: shared-memory read failed (%s); reading through staging", o.key, e)
+                data = None
+            if data is None:
+                left.append(o)
+            elif self._intact(o, data):
+                out[index[o.key]] = data
+                got[index[o.key]] = True
+                metrics.client_bytes("get").inc(o.size)
+            else:
+                corrupt.append(o.key)
+        return left
 
     async def get_into(self, key: str, out: torch.Tensor) -> bool:
         """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's)."""
@@ -443,7 +511,9 @@ class StoreClient:
 
         return await self._fetch(keys, sink)
 
-    async def _fetch(self, keys: Sequence[str], sink: Callable[[int, int, int], bool]) -> list[bool]:
+    async def _fetch(self, keys: Sequence[str], sink: Callable[[int, int, int], bool],
+                     out: list[bytes | None] | None = None) -> list[bool]:
+        """Look keys up and read them; with `out`, copies on this host go straight into it."""
         assert self.staging is not None, "start() first"
         got = [False] * len(keys)
         if not keys:
@@ -455,6 +525,11 @@ class StoreClient:
                                                     client_id=self.config.client_id)
             reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
             objs = [o for o in reply.objects if o.key in index and o.replicas]
+            if out is not None:
+                corrupt: list[str] = []
+                objs = await self._read_direct(objs, index, out, got, corrupt)
+                if corrupt:
+                    await self.remove(corrupt)
             for chunk in self._chunks([o.size for o in objs]):
                 await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
         for ok in got:
@@ -482,9 +557,7 @@ class StoreClient:
             corrupt = []
             for j in todo:
                 o = objs[j]
-                if checksum(self.staging.slice(offsets[j], o.size)) != o.checksum:
-                    metrics.CHECKSUM_FAILURES.labels(o.replicas[0].medium or "dram").inc()
-                    logger.error("store object %s failed its checksum after a read; dropping it (a miss)", o.key)
+                if not self._intact(o, self.staging.slice(offsets[j], o.size)):
                     corrupt.append(o.key)
                     continue
                 if sink(index[o.key], offsets[j], o.size):

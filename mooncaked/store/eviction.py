@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncaked.store import metrics, tiering
-from mooncaked.store.records import ObjectMeta, Replica, Segment
+from mooncaked.store.records import RESERVED_PREFIX, ObjectMeta, Replica, Segment
 
 if TYPE_CHECKING:
     from mooncaked.store.master import StoreMaster
@@ -33,12 +34,16 @@ def evict_if_needed(m: StoreMaster, seg: Segment) -> None:
     hw = m.policy.high_watermark
     if seg.used - seg.leaving_bytes <= hw * seg.capacity:
         return
-    _evict(m, seg, seg.used - seg.leaving_bytes - (hw - m.policy.evict_fraction) * seg.capacity)
+    target = (hw - m.policy.evict_fraction) * seg.capacity
+    drop_places_ahead(m, seg, lambda: seg.used - seg.leaving_bytes <= target)
+    _evict(m, seg, seg.used - seg.leaving_bytes - target)
 
 
 def make_room(m: StoreMaster, seg: Segment, size: int) -> None:
-    """Start moving enough out of a full segment that `size` bytes will fit once the moves finish."""
-    _evict(m, seg, size - seg.alloc.free_bytes - seg.leaving_bytes)
+    """Start moving enough out of a full segment that `size` bytes will fit once the moves finish.
+    Counted against the largest hole, not all free bytes: scattered small holes do not fit `size`
+    (retries move more out until the holes join)."""
+    _evict(m, seg, size - seg.alloc.largest_free() - seg.leaving_bytes)
 
 
 def _evict(m: StoreMaster, seg: Segment, need: float) -> None:
@@ -55,8 +60,21 @@ def _evict(m: StoreMaster, seg: Segment, need: float) -> None:
                      seg.name, need - freed)
 
 
+def drop_places_ahead(m: StoreMaster, seg: Segment, enough: Callable[[], bool]) -> None:
+    """Give up places reserved ahead on the segment, newest first, until `enough()`: they hold no
+    data (their writer falls back to a plain put), so they go before any object."""
+    for key in reversed([k for k in m._pending if k.startswith(RESERVED_PREFIX)]):
+        if enough():
+            return
+        obj = m.objects[key]
+        if obj.replica_on(seg.name) is not None:
+            m._forget(obj)
+
+
 def free_now(m: StoreMaster, seg: Segment, size: int) -> bool:
-    """Make a `size`-byte hole at once by dropping copies that lose nothing (or that policy drops)."""
+    """Make a `size`-byte hole at once: places reserved ahead first, then copies that lose nothing
+    (or that policy drops)."""
+    drop_places_ahead(m, seg, lambda: seg.alloc.largest_free() >= size)
     lmdb = m._tier_of(seg.owner, "lmdb") if seg.medium == "dram" else None
     for pinned in (False, True):
         for obj, rep in _candidates(m, seg, pinned):
@@ -114,7 +132,6 @@ def _demote(m: StoreMaster, seg: Segment, lmdb: Segment, obj: ObjectMeta, rep: R
     lmdb.keys[obj.key] = None
     seg.leaving_bytes += obj.size
     tiering.new_task(m, "demote", seg.owner, obj, rep, lmdb.name, offset)
-    m._publish(lmdb)
     return True
 
 

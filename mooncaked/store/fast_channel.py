@@ -54,6 +54,7 @@ class FastChannel:
         self._transport: asyncio.Transport | None = None
         self._pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
 
     @classmethod
@@ -66,12 +67,16 @@ class FastChannel:
         except (OSError, TimeoutError) as e:
             raise StoreUnavailable(f"cannot reach the store master's fast path at {host}:{port}: {e}") from None
         channel._transport = transport  # type: ignore[assignment]
+        channel._loop = loop
         transport.write(HELLO)
         return channel
 
     async def call(self, method: str, request: Message, timeout_s: float) -> Message:
-        """The reply, or the typed StoreError the master answered (or StoreUnavailable)."""
-        return await self.send(method, request, timeout_s)
+        """The reply, or the typed StoreError the master answered (or StoreUnavailable).
+
+        One coroutine from the write to the decoded reply: this is every single put's and get's
+        metadata call, and each await layer between costs."""
+        return METHODS[method].reply.FromString(await self._exchange(method, request.SerializeToString(), timeout_s))
 
     def send(self, method: str, request: Message, timeout_s: float) -> Coroutine[Any, Any, Message]:
         """Put the call on the wire now; await what this returns for the reply (work can go on meanwhile)."""
@@ -82,16 +87,26 @@ class FastChannel:
         return await self.send_raw(method, body, timeout_s)
 
     def send_raw(self, method: str, body: bytes, timeout_s: float) -> Coroutine[Any, Any, bytes]:
+        call_id, fut, timer = self._write(method, body, timeout_s)
+        return self._reply(call_id, fut, timer, method)
+
+    async def _exchange(self, method: str, body: bytes, timeout_s: float) -> bytes:
+        call_id, fut, timer = self._write(method, body, timeout_s)
+        return await self._reply(call_id, fut, timer, method)
+
+    def _write(self, method: str, body: bytes,
+               timeout_s: float) -> tuple[int, asyncio.Future[tuple[int, bytes]], asyncio.TimerHandle]:
         if self.closed or self._transport is None:
             raise StoreUnavailable(f"store master fast path {self.address} is closed")
         call_id = next(self._ids) & 0xFFFFFFFF
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None
         fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
         self._pending[call_id] = fut
         # one timer per call, not asyncio.timeout: its context machinery costs more than the call itself here
         timer = loop.call_at(loop.time() + timeout_s, self._expire, call_id, method, timeout_s)
-        self._transport.writelines(pack_request(call_id, method, int(timeout_s * 1000), body))
-        return self._reply(call_id, fut, timer, method)
+        self._transport.write(pack_request(call_id, method, int(timeout_s * 1000), body))
+        return call_id, fut, timer
 
     async def _reply(self, call_id: int, fut: asyncio.Future[tuple[int, bytes]], timer: asyncio.TimerHandle,
                      method: str) -> bytes:

@@ -1,8 +1,10 @@
 """The master's fast path: StoreService's unary handlers served over framed TCP (fast_wire.py).
 
-Each request runs the very handler gRPC would run (same `_rpc` error mapping), with a
-context that turns `abort` into a status on the reply frame. Requests of one connection
-run concurrently (a get may wait for a promotion) and their replies go out as they finish.
+Each request runs the very handler gRPC would run, with the same error mapping and a context
+that turns `abort` into a status on the reply frame. A handler that answers at once (`.now`,
+see service._now: nearly all of them) is answered inside `data_received`, no task scheduled,
+which is a good part of a round trip's cost in Python; the rest (a get waiting for a
+promotion) run as tasks, concurrently, and their replies go out as they finish.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Awaitable
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import Message
 
-from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, FrameError, pack_reply, read_frames
+from mooncaked.store.errors import StoreError
+from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, Frame, FrameError, pack_reply, read_frames
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +73,14 @@ class _Connection(asyncio.Protocol):
             t.cancel()
 
     def data_received(self, data: bytes) -> None:
-        self._buf += data
         try:
+            if self._greeted and not self._buf:  # the usual case: whole frames, nothing left over
+                frames, used = read_frames(data, REQUEST)
+                self._answer(frames)
+                if used < len(data):
+                    self._buf += data[used:]
+                return
+            self._buf += data
             if not self._greeted:
                 if len(self._buf) < len(HELLO):
                     return
@@ -78,23 +89,31 @@ class _Connection(asyncio.Protocol):
                 del self._buf[:len(HELLO)]
                 self._greeted = True
             frames, used = read_frames(self._buf, REQUEST)
-            for f in frames:
-                name = bytes(f.body[:f.tag]).decode("ascii", "replace")
-                self._start(f.call_id, name, f.body[f.tag:], f.timeout_ms)
             del self._buf[:used]
+            self._answer(frames)
         except FrameError as e:
             logger.warning("closing store fast-path connection from %s: %s", self._peer, e)
             self.close()
 
-    def _start(self, call_id: int, name: str, body: bytes, timeout_ms: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(call_id, name, body, timeout_ms))
+    def _answer(self, frames: list[Frame]) -> None:
+        for f in frames:
+            answer = self._server.answer(f.body[:f.tag].decode("ascii", "replace"), f.body[f.tag:], f.timeout_ms)
+            if isinstance(answer, tuple):
+                self._reply(f.call_id, answer)
+            else:
+                self._start(f.call_id, answer)
+
+    def _start(self, call_id: int, answer: Awaitable[tuple[int, bytes]]) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(call_id, answer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, call_id: int, name: str, body: bytes, timeout_ms: int) -> None:
-        status, out = await self._server.handle(name, body, timeout_ms)
+    async def _serve(self, call_id: int, answer: Awaitable[tuple[int, bytes]]) -> None:
+        self._reply(call_id, await answer)
+
+    def _reply(self, call_id: int, answer: tuple[int, bytes]) -> None:
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(pack_reply(call_id, status, out))
+            self._transport.write(pack_reply(call_id, *answer))
 
     def close(self) -> None:
         if self._transport is not None:
@@ -116,8 +135,8 @@ class FastPathServer:
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    async def handle(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes]:
-        """Run one call; (gRPC status code value, reply bytes or error text)."""
+    def answer(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes] | Awaitable[tuple[int, bytes]]:
+        """(gRPC status code value, reply bytes or error text) now, or an awaitable of it."""
         method = METHODS.get(name)
         if method is None:
             return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary StoreMaster method {name!r}".encode()
@@ -126,13 +145,29 @@ class FastPathServer:
         except Exception as e:  # noqa: BLE001 - any decode failure is the caller's
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"{name}: undecodable request: {e}".encode()
         context = FastContext(timeout_ms / 1000 if timeout_ms else None)
+        handler = getattr(self.service, name)
+        now = getattr(handler, "now", None)
+        if now is None:
+            return self._finish(name, handler(request, context))
         try:
-            reply = await getattr(self.service, name)(request, context)
-        except AbortError as e:
-            return e.code.value[0], e.details.encode("utf-8", "replace")
-        except Exception as e:  # noqa: BLE001 - a handler outside the service's error mapping; keep serving
-            logger.exception("store fast path: %s failed", name)
-            return grpc.StatusCode.INTERNAL.value[0], f"store master bug in {name}: {e!r}".encode()
+            reply = now(self.service, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped like the gRPC path maps it
+            return _status_of(name, e)
+        if isinstance(reply, Message):
+            return 0, reply.SerializeToString()
+        return self._finish(name, reply)
+
+    async def handle(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes]:
+        """Run one call to its end (what `answer` gives, awaited)."""
+        answer = self.answer(name, body, timeout_ms)
+        return answer if isinstance(answer, tuple) else await answer
+
+    @staticmethod
+    async def _finish(name: str, pending: Awaitable[Message]) -> tuple[int, bytes]:
+        try:
+            reply = await pending
+        except Exception as e:  # noqa: BLE001 - mapped like the gRPC path maps it
+            return _status_of(name, e)
         return 0, reply.SerializeToString()
 
     async def close(self) -> None:
@@ -143,3 +178,13 @@ class FastPathServer:
             conn.close()
         await self._server.wait_closed()
         self._server = None
+
+
+def _status_of(name: str, e: Exception) -> tuple[int, bytes]:
+    """A failed call's status: the store's typed errors and aborts as they are, anything else a bug."""
+    if isinstance(e, StoreError):
+        return e.code.value[0], str(e).encode("utf-8", "replace")
+    if isinstance(e, AbortError):
+        return e.code.value[0], e.details.encode("utf-8", "replace")
+    logger.error("store fast path: %s failed", name, exc_info=e)
+    return grpc.StatusCode.INTERNAL.value[0], f"store master bug in {name}: {e!r}".encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
@@ -43,17 +44,18 @@ METHODS = _unary_methods()
 """Every unary StoreMaster method, by name: what the fast path serves."""
 
 
-def pack_request(call_id: int, method: str, timeout_ms: int, body: bytes) -> list[bytes]:
+def pack_request(call_id: int, method: str, timeout_ms: int, body: bytes) -> bytes:
     name = method.encode("ascii")
-    return [HEADER.pack(len(name) + len(body), REQUEST, len(name), 0, call_id, timeout_ms), name, body]
+    return HEADER.pack(len(name) + len(body), REQUEST, len(name), 0, call_id, timeout_ms) + name + body
 
 
 def pack_reply(call_id: int, status: int, body: bytes) -> bytes:
     return HEADER.pack(len(body), REPLY, status, 0, call_id, 0) + body
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
+class Frame(NamedTuple):
+    """A named tuple, not a dataclass: one is made per call on both ends."""
+
     kind: int
     tag: int  # request: method name length; reply: status
     call_id: int
@@ -61,7 +63,7 @@ class Frame:
     body: bytes
 
 
-def read_frames(buf: bytearray, expect: int) -> tuple[list[Frame], int]:
+def read_frames(buf: bytes | bytearray, expect: int) -> tuple[list[Frame], int]:
     """The whole frames at the start of `buf` and how many bytes they took; FrameError on garbage."""
     frames: list[Frame] = []
     at, end = 0, len(buf)

@@ -28,12 +28,11 @@ from mooncaked.store.allocator import ByteBudget, ExtentAllocator
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
 from mooncaked.store.records import (
     MAX_KEY_BYTES, MEDIA, Client, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
-    PoolEventKind, PromotionPending, PutPlan, Replica, Segment, SegmentSpec, SegmentUse, Task,
+    PoolEventKind, PromotionPending, PutPlan, Replica, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
 )
 
 logger = logging.getLogger(__name__)
 
-RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a NUL never starts a real key)
 MAX_RESERVE = 1024  # places one ReservePlaces call may take
 
 
@@ -113,7 +112,6 @@ class StoreMaster:
         logger.info("mounted %s segment %s of %s: %d bytes, %d objects re-reported (%d rejected)",
                     seg.medium, seg.name, client_id, seg.capacity, accepted, len(rejected))
         eviction.evict_if_needed(self, seg)
-        self._publish(seg)
         return accepted, rejected
 
     def _adopt(self, seg: Segment, rec: ObjectRecord) -> bool:
@@ -162,7 +160,6 @@ class StoreMaster:
                 self._forget(obj)
             else:
                 self._announce(obj)  # its DRAM copy went with the segment: LMDB only now
-        metrics.segment_gone(seg.name, seg.medium)
         logger.info("unmounted segment %s of %s: %d objects dropped", seg.name, seg.owner, removed)
         return removed
 
@@ -252,7 +249,6 @@ class StoreMaster:
             p.segment.keys[key] = None
             if not ahead:
                 eviction.evict_if_needed(self, p.segment)
-            self._publish(p.segment)
         return PutPlan(placed, exists=False)
 
     def put_end(self, key: str, checksum: int | None = None) -> None:
@@ -440,7 +436,6 @@ class StoreMaster:
             _, _, seg, offset, size = heapq.heappop(self._deferred)
             if self.segments.get(seg.name) is seg:
                 seg.alloc.free(offset, size)
-                self._publish(seg)
         for seg in list(self.segments.values()):
             eviction.evict_if_needed(self, seg)
 
@@ -494,7 +489,6 @@ class StoreMaster:
                 seg.alloc.free(rep.offset, rep.size)
             if seg.medium == "lmdb" and rep.complete and send_delete:
                 self.send_delete(seg.owner, obj.key, seg.name, rep.size)
-            self._publish(seg)
         if obj.committed and not any(r.complete for r in obj.replicas):
             self._forget(obj)
         else:
@@ -535,5 +529,3 @@ class StoreMaster:
                 best = seg.medium
         return best
 
-    def _publish(self, seg: Segment) -> None:
-        metrics.segment_changed(seg.name, seg.medium, seg.capacity, seg.used, len(seg.keys))

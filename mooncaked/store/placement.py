@@ -29,9 +29,12 @@ def place(m: StoreMaster, drams: Sequence[Segment], size: int, want: int, prefer
         order.remove(preferred)
         order.insert(0, preferred)
     placed: list[Placed] = []
+    ceiling = m.policy.high_watermark
     for seg in order:
         if len(placed) == want:
             break
+        if not evict and seg.used + size > ceiling * seg.capacity:
+            continue  # a place reserved ahead never takes a segment past its watermark (it would push data out)
         offset = seg.alloc.alloc(size)
         if offset is None and evict and eviction.free_now(m, seg, size):
             offset = seg.alloc.alloc(size)

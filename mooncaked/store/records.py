@@ -21,6 +21,7 @@ MEDIA: tuple[str, ...] = ("dram", "lmdb")
 TaskKind = Literal["demote", "promote", "delete"]
 PoolEventKind = Literal["stored", "removed"]  # what pool watchers hear (service WatchPool)
 MAX_KEY_BYTES = 1024
+RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a NUL never starts a real key)
 
 
 def checksum(data: object) -> int:

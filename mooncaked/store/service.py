@@ -16,11 +16,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import RoleServer
 from mooncaked.tasks import spawn
-from mooncaked.store import convert
+from mooncaked.store import convert, metrics
 from mooncaked.store.fast_path import FastPathServer
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError
 from mooncaked.store.master import StoreMaster
@@ -49,6 +50,21 @@ def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
             await context.abort(grpc.StatusCode.INTERNAL, f"store master bug in {fn.__name__}: {e!r}")
 
     return wrapper
+
+
+def _now(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A handler that answers at once: a reply message, or (rarely) an awaitable of the reply
+    when part of it must wait. gRPC gets the usual async handler (with _rpc's error mapping);
+    the fast path calls `.now` itself and writes the reply without scheduling a task."""
+
+    async def answer(self: StoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        reply = fn(self, request, context)
+        return reply if isinstance(reply, Message) else await reply
+
+    answer.__name__ = fn.__name__
+    handler = _rpc(answer)
+    handler.now = fn  # type: ignore[attr-defined]
+    return handler
 
 
 class StoreService(store_pb2_grpc.StoreMasterServicer):
@@ -96,31 +112,31 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self.pool_events.close()
 
     # -- segments ---------------------------------------------------------------------------------
-    @_rpc
-    async def MountSegment(self, request, context):
+    @_now
+    def MountSegment(self, request, context):
         self.master.mount(request.client_id, convert.segment_from_proto(request.segment))
         return store_pb2.MountSegmentReply(ok=True, master_epoch=self.master.epoch)
 
-    @_rpc
-    async def RemountSegment(self, request, context):
+    @_now
+    def RemountSegment(self, request, context):
         records = [convert.record_from_proto(r) for r in request.objects]
         accepted, rejected = self.master.mount(request.client_id, convert.segment_from_proto(request.segment),
                                                records)
         return store_pb2.RemountSegmentReply(objects_accepted=accepted, master_epoch=self.master.epoch,
                                              rejected_keys=rejected)
 
-    @_rpc
-    async def EvacuateSegment(self, request, context):
+    @_now
+    def EvacuateSegment(self, request, context):
         demotions, left = self.master.evacuate(request.client_id, request.segment)
         return store_pb2.EvacuateSegmentReply(demotions=demotions, left=left)
 
-    @_rpc
-    async def UnmountSegment(self, request, context):
+    @_now
+    def UnmountSegment(self, request, context):
         return store_pb2.UnmountSegmentReply(objects_removed=self.master.unmount(request.client_id,
                                                                                  request.segment))
 
-    @_rpc
-    async def Ping(self, request, context):
+    @_now
+    def Ping(self, request, context):
         return store_pb2.PingReply(known=self.master.ping(request.client_id), master_epoch=self.master.epoch)
 
     # -- put ----------------------------------------------------------------------------------------
@@ -129,30 +145,30 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         return store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas],
                                        exists=plan.exists)
 
-    @_rpc
-    async def PutStart(self, request, context):
+    @_now
+    def PutStart(self, request, context):
         return self._put_start(request)
 
-    @_rpc
-    async def BatchPutStart(self, request, context):
+    @_now
+    def BatchPutStart(self, request, context):
         plans = self.master.put_start_many([(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin)
                                             for r in request.items])
         return store_pb2.BatchPutStartReply(items=[
             store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas], exists=plan.exists)
             if plan is not None else store_pb2.PutStartReply() for plan in plans])
 
-    @_rpc
-    async def PutEnd(self, request, context):
+    @_now
+    def PutEnd(self, request, context):
         self.master.put_end(request.key, request.checksum or None)
         return store_pb2.PutEndReply(ok=True)
 
-    @_rpc
-    async def PutRevoke(self, request, context):
+    @_now
+    def PutRevoke(self, request, context):
         self.master.put_revoke(request.key)
         return store_pb2.PutRevokeReply(ok=True)
 
-    @_rpc
-    async def BatchPutEnd(self, request, context):
+    @_now
+    def BatchPutEnd(self, request, context):
         committed = revoked = 0
         if request.checksums and len(request.checksums) != len(request.keys):
             raise InvalidArgument(f"BatchPutEnd: {len(request.checksums)} checksums for {len(request.keys)} keys "
@@ -176,8 +192,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         revoked += sum(self.master.revoke_reserved(rid) for rid in request.revoke_reservations)
         return store_pb2.BatchPutEndReply(committed=committed, revoked=revoked, reserved_ok=reserved_ok)
 
-    @_rpc
-    async def ReservePlaces(self, request, context):
+    @_now
+    def ReservePlaces(self, request, context):
         if request.size <= 0:
             raise InvalidArgument(f"ReservePlaces: size must be positive, got {request.size}")
         places = self.master.reserve(request.size, request.count, request.replicas, request.preferred_segment,
@@ -236,8 +252,9 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         view = await self._get(request.key, self._deadline(context))
         return store_pb2.GetReplicasReply(object=convert.view_to_proto(view), lease_s=view.lease_s)
 
-    @_rpc
-    async def BatchGetReplicas(self, request, context):
+    @_now
+    def BatchGetReplicas(self, request, context):
+        """Replies at once unless an object must first come back from LMDB (or wait for DRAM room)."""
         views: list[ObjectView | None] = []
         waiting: list[int] = []  # keys whose object must first be promoted from LMDB (or wait for room)
         for i, key in enumerate(request.keys):
@@ -253,43 +270,50 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 waiting.append(i)
             views.append(res)
         if waiting:
-            deadline = self._deadline(context)
+            return self._after_promotions(request, context, views, waiting)
+        return self._replicas_reply(views)
 
-            async def one(key: str) -> ObjectView | None:
-                try:
-                    return await self._get(key, deadline)
-                except (NotFound, NoRoom):
-                    return None
+    async def _after_promotions(self, request, context, views: list[ObjectView | None],
+                                waiting: list[int]) -> store_pb2.BatchGetReplicasReply:
+        deadline = self._deadline(context)
 
-            for i, view in zip(waiting, await asyncio.gather(*(one(request.keys[i]) for i in waiting))):
-                views[i] = view
-            # the waits took a while: renew every lease now, at reply time
-            views = [self._renew(v) if v is not None else None for v in views]
+        async def one(key: str) -> ObjectView | None:
+            try:
+                return await self._get(key, deadline)
+            except (NotFound, NoRoom):
+                return None
+
+        for i, view in zip(waiting, await asyncio.gather(*(one(request.keys[i]) for i in waiting))):
+            views[i] = view
+        # the waits took a while: renew every lease now, at reply time
+        return self._replicas_reply([self._renew(v) if v is not None else None for v in views])
+
+    def _replicas_reply(self, views: list[ObjectView | None]) -> store_pb2.BatchGetReplicasReply:
         return store_pb2.BatchGetReplicasReply(objects=[convert.view_to_proto(v) for v in views if v is not None],
                                                lease_s=self.master.policy.lease_s)
 
-    @_rpc
-    async def Exist(self, request, context):
+    @_now
+    def Exist(self, request, context):
         return store_pb2.ExistReply(exists=self.master.exist(request.key))
 
-    @_rpc
-    async def BatchExist(self, request, context):
+    @_now
+    def BatchExist(self, request, context):
         return store_pb2.BatchExistReply(exists=[self.master.exist(k) for k in request.keys])
 
-    @_rpc
-    async def LongestPrefix(self, request, context):
+    @_now
+    def LongestPrefix(self, request, context):
         return store_pb2.LongestPrefixReply(num_keys=self.master.longest_prefix(request.keys))
 
-    @_rpc
-    async def Remove(self, request, context):
+    @_now
+    def Remove(self, request, context):
         return store_pb2.RemoveReply(removed=self.master.remove(request.keys))
 
-    @_rpc
-    async def PoolStats(self, request, context):
+    @_now
+    def PoolStats(self, request, context):
         return convert.stats_to_proto(self.master.stats())
 
-    @_rpc
-    async def Describe(self, request, context):
+    @_now
+    def Describe(self, request, context):
         return store_pb2.DescribeReply(fast_path_port=self.fast_path_port, master_epoch=self.master.epoch)
 
     # -- tier tasks ---------------------------------------------------------------------------------
@@ -324,8 +348,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         finally:
             self.pool_events.unsubscribe(sub)
 
-    @_rpc
-    async def TaskDone(self, request, context):
+    @_now
+    def TaskDone(self, request, context):
         if request.client_id not in self.master.clients:
             raise FailedPrecondition(f"client {request.client_id!r} is not known (declared dead?): remount")
         accepted = self.master.task_done(request.client_id, [(r.task_id, r.ok, r.error) for r in request.results])
@@ -360,11 +384,13 @@ class MasterRunner:
             self.fast_path = FastPathServer(self.service)
             self.service.fast_path_port = await self.fast_path.start(self._listen_host, self._fast_port)
         self._housekeeping = spawn(self.service.housekeeping(self._tick_s), "store-housekeeping")
+        metrics.SEGMENTS.watch(self.master)  # its segments' gauges are read at scrape time
         logger.info("store master (epoch %d) serving on port %d (fast path: %s)", self.master.epoch, port,
                     self.service.fast_path_port or "off")
         return port
 
     async def stop(self, grace_s: float = 1.0) -> None:
+        metrics.SEGMENTS.unwatch(self.master)
         if self._housekeeping is not None:
             self._housekeeping.cancel()
         self.service.close_streams()

@@ -40,7 +40,6 @@ def promote(m: StoreMaster, obj: ObjectMeta) -> PromotionPending:
         dram.keys[obj.key] = None
         task = new_task(m, "promote", seg.owner, obj, src, dram.name, offset)
         obj.promotion = task.task_id
-        m._publish(dram)
         return PromotionPending(task.task_id)
     raise NoRoom(f"{obj.key!r} is on LMDB only and its owner's DRAM has no room to serve it yet (objects are "
                  "being demoted, or leased); retry shortly")

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from mooncaked.transfer import metrics
 from mooncaked.transfer.api import (
     BACKENDS,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -190,6 +191,46 @@ class TransferEngine:
         elif by_peer:
             await asyncio.gather(*(self._submit_peer(p, ix, batch, timeout, results) for p, ix in by_peer.items()))
         _raise_first(results)
+
+    async def write_from(self, data: bytes | bytearray | memoryview, peer: str, remote_region: str,
+                         remote_offset: int, timeout_s: float | None = None) -> bool:
+        """Copy a caller's bytes (not in any registered region) straight into a peer's region on
+        this host: one memcpy where staging would take two. False, with nothing moved, when the
+        peer is not reachable through shared memory (backend tcp/rdma, another host, a region
+        not in shm): stage the bytes in a registered region and submit() instead."""
+        src = memoryview(data).cast("B")
+        target = await self._peer_bytes("write", peer, remote_region, remote_offset, src.nbytes, timeout_s)
+        if target is None:
+            return False
+        target[:] = src
+        metrics.count_initiated("shm", (TransferOp("write", "", 0, peer, remote_region, remote_offset, src.nbytes),),
+                                (True,))
+        return True
+
+    async def read_bytes(self, peer: str, remote_region: str, remote_offset: int, length: int,
+                         timeout_s: float | None = None) -> bytes | None:
+        """A peer's bytes on this host as a new bytes object, copied once out of its segment; None,
+        with nothing read, when shared memory cannot reach them (then stage and submit())."""
+        source = await self._peer_bytes("read", peer, remote_region, remote_offset, length, timeout_s)
+        if source is None:
+            return None
+        out = bytes(source)
+        metrics.count_initiated("shm", (TransferOp("read", "", 0, peer, remote_region, remote_offset, length),),
+                                (True,))
+        return out
+
+    async def _peer_bytes(self, kind: str, peer: str, region: str, offset: int, length: int,
+                          timeout_s: float | None) -> memoryview | None:
+        if self._closed:
+            raise TransferError("transfer engine is closed; make a new one")
+        if self._shm is None or self._rdma is not None:
+            return None
+        if offset < 0 or length <= 0:
+            raise TransferError(f"{kind} of {length} bytes at {offset}: need a positive length and offset >= 0")
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        info = await self._peer_info(peer, timeout)
+        return await self._shm.peer_bytes(peer, region, offset, length, info,
+                                          lambda: self._peer_info(peer, timeout, refresh=True))
 
     async def _submit_one(self, op: TransferOp, timeout: float) -> BaseException | None:
         """A batch of one (every single-object put/get): its error, if any.

@@ -130,6 +130,7 @@ class Attachment:
     nbytes: int  # and address: asked of torch once, not per op
     address: int
     trailer: memoryview | None  # the owner's liveness word; None for a segment without one
+    view: memoryview  # the region's bytes again, for copies to and from caller buffers
 
 
 class ShmAttachments:
@@ -159,7 +160,7 @@ class ShmAttachments:
             raise _gone(shm_name)
         if trailer is not None and trailer != _LIVE:
             trailer = None  # not our trailer: fall back to asking the filesystem
-        att = self._maps[shm_name] = Attachment(tensor[:nbytes], nbytes, tensor.data_ptr(), trailer)
+        att = self._maps[shm_name] = Attachment(tensor[:nbytes], nbytes, tensor.data_ptr(), trailer, view[:nbytes])
         logger.debug("attached shm segment %s (%d bytes)", shm_name, nbytes)
         return att
 

@@ -124,6 +124,20 @@ class ShmPath:
             metrics.count_initiated("shm", done, oks)
         return outcomes, left
 
+    async def peer_bytes(
+        self, peer: str, region: str, offset: int, length: int, info: PeerInfo,
+        refresh: Callable[[], Awaitable[PeerInfo]],
+    ) -> memoryview | None:
+        """The peer's bytes [offset, +length) of `region` as mapped here, for one copy to or from a
+        caller's buffer; None when shm cannot reach them (another host, a region not in shm, a
+        mapping that failed): the caller then takes the staged path. Checked like `run` checks."""
+        if not self.same_host(info):
+            return None
+        if self._stale(info, (region,)):
+            info = await refresh()
+        mapped = self._map(peer, TransferOp("read", "", 0, peer, region, offset, length), info)
+        return None if mapped is None else mapped.view[offset : offset + length]
+
     def _stale(self, info: PeerInfo, names: Iterable[str]) -> bool:
         """Whether a region is unknown or its segment is gone (drop those mappings)."""
         stale = False
