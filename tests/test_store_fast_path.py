@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import socket
 
 import pytest
@@ -264,4 +265,30 @@ async def test_an_unreachable_fast_port_leaves_the_client_on_grpc():
         assert c._fast is None and c._fast_retry_at > loop.time(), "a failed opening must back off"
     finally:
         await c.close()
+        await runner.stop()
+
+
+@pytest.mark.parametrize("unix", [True, False])
+async def test_a_client_on_the_masters_host_takes_the_unix_socket_else_tcp(unix: bool):
+    runner = MasterRunner(Policy(), "127.0.0.1:0", tick_s=0.05, fast_path_unix=unix)
+    port = await runner.start()
+    addr = f"127.0.0.1:{port}"
+    owner = await client(addr, "owner", dram_bytes=1 << 20)
+    try:
+        assert (runner.service.fast_path_unix != "") == (unix and sys.platform == "linux")
+        assert await owner.put("k", b"v" * 100) and await owner.get("k") == b"v" * 100
+        assert owner._fast is not None and not owner._fast.closed
+        expected = f"unix:{runner.service.fast_path_unix}" if runner.service.fast_path_unix else \
+            f"127.0.0.1:{runner.service.fast_path_port}"
+        assert owner._fast.address == expected
+        if runner.service.fast_path_unix:  # the socket answers raw frames like the TCP port does
+            fast = await FastChannel.connect("127.0.0.1", 0, 5, unix=runner.service.fast_path_unix)
+            try:
+                assert (await fast.call("Exist", store_pb2.ExistRequest(key="k"), 5)).exists
+            finally:
+                fast.close()
+        with pytest.raises(StoreUnavailable, match="unix:@nobody-listens"):
+            await FastChannel.connect("127.0.0.1", 0, 5, unix="@nobody-listens")
+    finally:
+        await owner.close()
         await runner.stop()

@@ -33,6 +33,7 @@ from mooncaked.store.mounts import Mounts
 from mooncaked.store.records import checksum
 from mooncaked.store.tier_worker import TierWorker
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
+from mooncaked.transfer.shm import host_id
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +220,15 @@ class StoreClient:
                     self._fast_retry_at = loop.time() + FAST_RETRY_MAX_S  # this master has none (maybe the next)
                     return None
                 host = self.config.master.rsplit(":", 1)[0].strip("[]")
-                self._fast = await FastChannel.connect(host, reply.fast_path_port,
-                                                       min(self.config.rpc_timeout_s, FAST_CONNECT_TIMEOUT_S))
+                timeout = min(self.config.rpc_timeout_s, FAST_CONNECT_TIMEOUT_S)
+                self._fast = None
+                if reply.fast_path_unix and reply.host_id == host_id():  # same host: the cheaper socket
+                    try:
+                        self._fast = await FastChannel.connect(host, 0, timeout, unix=reply.fast_path_unix)
+                    except StoreUnavailable as e:
+                        logger.info("store client %s: %s; using TCP", self.config.client_id, e)
+                if self._fast is None:
+                    self._fast = await FastChannel.connect(host, reply.fast_path_port, timeout)
                 self._places.follow(reply.master_epoch)
                 self._fast_backoff = FAST_RETRY_S
                 return self._fast

@@ -28,7 +28,7 @@ class _Protocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
@@ -58,14 +58,25 @@ class FastChannel:
         self.closed = False
 
     @classmethod
-    async def connect(cls, host: str, port: int, timeout_s: float) -> FastChannel:
-        channel = cls(f"{host}:{port}")
+    async def connect(cls, host: str, port: int, timeout_s: float, unix: str = "") -> FastChannel:
+        """To the master's fast path at host:port, or at the Unix socket `unix` ("@name": abstract)."""
+        channel = cls(f"unix:{unix}" if unix else f"{host}:{port}")
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout_s):
-                transport, _ = await loop.create_connection(lambda: _Protocol(channel), host, port)
+                if unix:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    try:
+                        await loop.sock_connect(sock, "\0" + unix[1:] if unix.startswith("@") else unix)
+                    except BaseException:
+                        sock.close()
+                        raise
+                    transport, _ = await loop.create_unix_connection(lambda: _Protocol(channel), sock=sock)
+                else:
+                    transport, _ = await loop.create_connection(lambda: _Protocol(channel), host, port)
         except (OSError, TimeoutError) as e:
-            raise StoreUnavailable(f"cannot reach the store master's fast path at {host}:{port}: {e}") from None
+            raise StoreUnavailable(f"cannot reach the store master's fast path at {channel.address}: {e}") from None
         channel._transport = transport  # type: ignore[assignment]
         channel._loop = loop
         transport.write(HELLO)

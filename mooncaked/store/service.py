@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import RoleServer
 from mooncaked.tasks import spawn
+from mooncaked.transfer.shm import host_id
 from mooncaked.store import convert, metrics
 from mooncaked.store.fast_path import FastPathServer
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError
@@ -31,6 +32,7 @@ from mooncaked.store.records import ObjectView, Policy, PoolEventKind, Promotion
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "mooncake.v1.StoreMaster"
+HOST_ID = host_id()  # clients with the same id may take the fast path's Unix socket
 TICK_S = 0.1
 
 
@@ -75,6 +77,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self._queues: dict[str, asyncio.Queue[Task | None]] = {}
         self._promotions: dict[int, asyncio.Future[bool]] = {}
         self.fast_path_port = 0  # set by MasterRunner once the fast path listens
+        self.fast_path_unix = ""  # and its Unix socket, for clients on this host
         self.pool_events = PoolEventHub(self.master)
 
     # -- hooks of the state machine ------------------------------------------------------------
@@ -314,7 +317,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def Describe(self, request, context):
-        return store_pb2.DescribeReply(fast_path_port=self.fast_path_port, master_epoch=self.master.epoch)
+        return store_pb2.DescribeReply(fast_path_port=self.fast_path_port, master_epoch=self.master.epoch,
+                                       fast_path_unix=self.fast_path_unix, host_id=HOST_ID)
 
     # -- tier tasks ---------------------------------------------------------------------------------
     async def Tasks(self, request, context) -> AsyncIterator[store_pb2.TierTask]:
@@ -361,15 +365,17 @@ class MasterRunner:
 
     `fast_path_port`: where the fast path (fast_path.py) listens, on the gRPC listen host;
     0 picks a free port, None turns it off (clients then use gRPC for everything).
+    `fast_path_unix`: whether clients on this host also get it on a Unix socket.
     """
 
     def __init__(self, policy: Policy, listen: str = "127.0.0.1:0", tick_s: float = TICK_S,
-                 fast_path_port: int | None = 0) -> None:
+                 fast_path_port: int | None = 0, fast_path_unix: bool = True) -> None:
         self.service = StoreService(policy)
         self.server = RoleServer(listen, [SERVICE_NAME])
         store_pb2_grpc.add_StoreMasterServicer_to_server(self.service, self.server.server)
         self._listen_host = listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
         self._fast_port = fast_path_port
+        self._fast_unix = fast_path_unix
         self.fast_path: FastPathServer | None = None
         self._tick_s = tick_s
         self._housekeeping: asyncio.Task | None = None
@@ -382,7 +388,9 @@ class MasterRunner:
         port = await self.server.start()
         if self._fast_port is not None:
             self.fast_path = FastPathServer(self.service)
-            self.service.fast_path_port = await self.fast_path.start(self._listen_host, self._fast_port)
+            self.service.fast_path_port = await self.fast_path.start(self._listen_host, self._fast_port,
+                                                                     unix=self._fast_unix)
+            self.service.fast_path_unix = self.fast_path.unix_name
         self._housekeeping = spawn(self.service.housekeeping(self._tick_s), "store-housekeeping")
         metrics.SEGMENTS.watch(self.master)  # its segments' gauges are read at scrape time
         logger.info("store master (epoch %d) serving on port %d (fast path: %s)", self.master.epoch, port,

@@ -14,12 +14,16 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("fast_path_port", "master_epoch")
+    __slots__ = ("fast_path_port", "master_epoch", "fast_path_unix", "host_id")
     FAST_PATH_PORT_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FAST_PATH_UNIX_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     fast_path_port: int
     master_epoch: int
-    def __init__(self, fast_path_port: _Optional[int] = ..., master_epoch: _Optional[int] = ...) -> None: ...
+    fast_path_unix: str
+    host_id: str
+    def __init__(self, fast_path_port: _Optional[int] = ..., master_epoch: _Optional[int] = ..., fast_path_unix: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("segment", "offset", "size", "endpoint", "medium")
