@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from mooncaked.proto.mooncake.v1 import common_pb2, store_pb2, transfer_pb2
@@ -17,7 +18,10 @@ TASK_KINDS = {
 TASK_KIND_NAMES = {v: k for k, v in TASK_KINDS.items()}
 
 
+@functools.lru_cache(maxsize=4096)
 def endpoint_to_proto(e: Endpoint) -> common_pb2.TransferEndpoint:
+    """Made once per endpoint (every replica in every lookup reply carries one); callers copy it
+    into their message and never change it."""
     return common_pb2.TransferEndpoint(address=e.address, backend=e.backend, region=e.region,
                                        same_host_id=e.same_host_id, shm_name=e.shm_name)
 

@@ -133,6 +133,7 @@ class FastPathServer:
         self._servers: list[asyncio.base_events.Server] = []
         self.port = 0
         self.unix_name = ""  # "@name" for the abstract socket "\0name"; "" when there is none
+        self._routes: dict[str, tuple[Any, Any, Any]] = {}  # method name -> (request type, handler, .now)
 
     async def start(self, host: str, port: int = 0, unix: bool = True) -> int:
         loop = asyncio.get_running_loop()
@@ -154,16 +155,19 @@ class FastPathServer:
 
     def answer(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes] | Awaitable[tuple[int, bytes]]:
         """(gRPC status code value, reply bytes or error text) now, or an awaitable of it."""
-        method = METHODS.get(name)
-        if method is None:
-            return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary StoreMaster method {name!r}".encode()
+        route = self._routes.get(name)
+        if route is None:
+            method = METHODS.get(name)
+            if method is None:
+                return grpc.StatusCode.UNIMPLEMENTED.value[0], f"no unary StoreMaster method {name!r}".encode()
+            handler = getattr(self.service, name)
+            route = self._routes[name] = (method.request, handler, getattr(handler, "now", None))
+        request_type, handler, now = route
         try:
-            request = method.request.FromString(body)
+            request = request_type.FromString(body)
         except Exception as e:  # noqa: BLE001 - any decode failure is the caller's
             return grpc.StatusCode.INVALID_ARGUMENT.value[0], f"{name}: undecodable request: {e}".encode()
         context = FastContext(timeout_ms / 1000 if timeout_ms else None)
-        handler = getattr(self.service, name)
-        now = getattr(handler, "now", None)
         if now is None:
             return self._finish(name, handler(request, context))
         try:

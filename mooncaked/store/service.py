@@ -173,13 +173,13 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     @_now
     def BatchPutEnd(self, request, context):
         committed = revoked = 0
-        if request.checksums and len(request.checksums) != len(request.keys):
-            raise InvalidArgument(f"BatchPutEnd: {len(request.checksums)} checksums for {len(request.keys)} keys "
+        keys, sums = request.keys, request.checksums  # each field read once: a single put's commit is hot
+        if sums and len(sums) != len(keys):
+            raise InvalidArgument(f"BatchPutEnd: {len(sums)} checksums for {len(keys)} keys "
                                   "(send none, or one per key)")
-        sums = list(request.checksums) or [0] * len(request.keys)
-        for key, csum in zip(request.keys, sums):
+        for i, key in enumerate(keys):
             try:
-                self.master.put_end(key, csum or None)
+                self.master.put_end(key, (sums[i] if sums else 0) or None)
                 committed += 1
             except FailedPrecondition as e:
                 logger.info("batch PutEnd: %s", e)
@@ -192,7 +192,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         reserved_ok = [self.master.put_reserved(r.reservation, r.key, r.checksum, r.soft_pin)
                        for r in request.reserved]
         committed += sum(reserved_ok)
-        revoked += sum(self.master.revoke_reserved(rid) for rid in request.revoke_reservations)
+        for rid in request.revoke_reservations:
+            revoked += self.master.revoke_reserved(rid)
         return store_pb2.BatchPutEndReply(committed=committed, revoked=revoked, reserved_ok=reserved_ok)
 
     @_now
