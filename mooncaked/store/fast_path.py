@@ -1,4 +1,5 @@
-"""The master's fast path: StoreService's unary handlers served over framed TCP (fast_wire.py).
+"""The master's fast path: StoreService's unary handlers served over framed TCP, or a Unix socket
+for clients on the master's host (fast_wire.py).
 
 Each request runs the very handler gRPC would run, with the same error mapping and a context
 that turns `abort` into a status on the reply frame. A handler that answers at once (`.now`,
