@@ -59,11 +59,11 @@ def _now(fn: Callable[..., Any]) -> Callable[..., Any]:
     when part of it must wait. gRPC gets the usual async handler (with _rpc's error mapping);
     the fast path calls `.now` itself and writes the reply without scheduling a task."""
 
+    @functools.wraps(fn)
     async def answer(self: StoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         reply = fn(self, request, context)
         return reply if isinstance(reply, Message) else await reply
 
-    answer.__name__ = fn.__name__
     handler = _rpc(answer)
     handler.now = fn  # type: ignore[attr-defined]
     return handler
