@@ -203,8 +203,7 @@ class TransferEngine:
         if target is None:
             return False
         target[:] = src
-        metrics.count_initiated("shm", (TransferOp("write", "", 0, peer, remote_region, remote_offset, src.nbytes),),
-                                (True,))
+        metrics.count_op("shm", "write", "initiator", True, sent=src.nbytes)
         return True
 
     async def read_bytes(self, peer: str, remote_region: str, remote_offset: int, length: int,
@@ -215,8 +214,7 @@ class TransferEngine:
         if source is None:
             return None
         out = bytes(source)
-        metrics.count_initiated("shm", (TransferOp("read", "", 0, peer, remote_region, remote_offset, length),),
-                                (True,))
+        metrics.count_op("shm", "read", "initiator", True, received=length)
         return out
 
     async def _peer_bytes(self, kind: str, peer: str, region: str, offset: int, length: int,

@@ -100,7 +100,7 @@ class ShmPath:
         oks: list[bool] = []
         for i, op in enumerate(ops):
             try:
-                mapped = self._map(peer, op, info)
+                mapped = self._map(peer, op.remote_region, op.remote_offset, op.length, info)
             except TransferError as e:
                 outcomes[i] = e
                 done.append(op)
@@ -135,7 +135,7 @@ class ShmPath:
             return None
         if self._stale(info, (region,)):
             info = await refresh()
-        mapped = self._map(peer, TransferOp("read", "", 0, peer, region, offset, length), info)
+        mapped = self._map(peer, region, offset, length, info)
         return None if mapped is None else mapped.view[offset : offset + length]
 
     def _stale(self, info: PeerInfo, names: Iterable[str]) -> bool:
@@ -150,19 +150,19 @@ class ShmPath:
                 stale = True
         return stale
 
-    def _map(self, peer: str, op: TransferOp, info: PeerInfo) -> Attachment | None:
-        """The peer's segment for op, checked; None to hand the op to tcp."""
-        remote = info.regions.get(op.remote_region)
+    def _map(self, peer: str, region: str, offset: int, length: int, info: PeerInfo) -> Attachment | None:
+        """The peer's segment holding [offset, +length) of `region`, checked; None to hand the op to tcp."""
+        remote = info.regions.get(region)
         if remote is None:
-            raise UnknownRegionError(f"peer {peer}: remote region {op.remote_region!r} is not registered")
+            raise UnknownRegionError(f"peer {peer}: remote region {region!r} is not registered")
         if remote.shm_name is None:
             if self._strict:
                 raise TransferError(
-                    f"peer {peer}: region {op.remote_region!r} is not in shared memory "
+                    f"peer {peer}: region {region!r} is not in shared memory "
                     "(registered, not alloc_region'ed); use backend 'auto' or 'tcp'"
                 )
             return None
-        check_bounds("remote", f"{peer}/{op.remote_region}", remote.nbytes, op.remote_offset, op.length)
+        check_bounds("remote", f"{peer}/{region}", remote.nbytes, offset, length)
         try:
             return self._attachments.get(remote.shm_name, remote.nbytes)
         except TransferError:
