@@ -24,7 +24,10 @@ ENGINES = ["p1", "p2", "d1", "d2"]
 @pytest.fixture(scope="module")
 def cluster(tiny_model_factory, tmp_path_factory):
     _, folder = tiny_model_factory("llama")
-    c = Cluster(folder, tmp_path_factory.mktemp("logs"), extra_env={"MOONCAKED_STORE_DRAM_BYTES": "2MiB"})
+    # heartbeats (which carry KV events to the conductor's index) 5x a second: the routing test waits
+    # one second for them, a wait that raced the default 1 s heartbeat on a loaded machine
+    c = Cluster(folder, tmp_path_factory.mktemp("logs"), extra_env={"MOONCAKED_STORE_DRAM_BYTES": "2MiB",
+                                                                   "MOONCAKED_HEARTBEAT_INTERVAL_S": "0.2"})
     try:
         c.start("conductor", "conductor")
         c.extra_env["MOONCAKED_STORE"] = f"127.0.0.1:{c.start('store', 'store')}"
