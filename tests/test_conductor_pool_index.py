@@ -65,6 +65,13 @@ async def test_index_lists_pool_blocks_until_they_leave_the_pool(tiny_model_fact
 
             row = await _until(all_in_pool, "the prompt's 16 blocks under holder 'store'")
             assert row["CPU"] == 64 and row["DISK"] == 0, row  # in the pool's DRAM
+
+            async def p1_holds_all():  # p1's own cache reaches the index with its heartbeat, not the pool's events
+                async with http.post("/query_by_hash", json={"model": model, "seq_hashes": hashes,
+                                                              "block_size": 4}) as r:
+                    return (await r.json())["default"].get("p1", {}).get("longest_matched") == 64
+
+            await _until(p1_holds_all, "p1's own blocks in the index")
             async with grpc.aio.insecure_channel(store) as sch:
                 master = store_pb2_grpc.StoreMasterStub(sch)
                 removed = await master.Remove(store_pb2.RemoveRequest(keys=[f"{model}/{h}" for h in hashes[4:]]),
