@@ -88,16 +88,19 @@ class Mounts:
                 await asyncio.wait_for(self._remount.wait(), interval_s)
             except asyncio.TimeoutError:
                 pass
+            # a remount request only brings this ping forward; the ping decides. (A request made while
+            # a remount was under way, e.g. by the Tasks stream reopening too early, must not remount
+            # a second time: that would unmount the segments again and fail their tier moves.)
+            self._remount.clear()
             try:
                 reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id), timeout=self._timeout)
                 if down:
                     logger.info("store master reachable again")
                     down = False
-                if self._remount.is_set() or not reply.known or reply.master_epoch != self.epoch:
+                if not reply.known or reply.master_epoch != self.epoch:
                     logger.warning("store master %s us (epoch %d, ours %d): remounting",
                                    "does not know" if not reply.known else "restarted under", reply.master_epoch,
                                    self.epoch)
-                    self._remount.clear()
                     await self.mount_all()
                     self.remounts += 1
             except grpc.aio.AioRpcError as e:
