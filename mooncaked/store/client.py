@@ -32,8 +32,7 @@ from mooncaked.store.lmdb_tier import LmdbTier
 from mooncaked.store.mounts import Mounts
 from mooncaked.store.records import checksum
 from mooncaked.store.tier_worker import TierWorker
-from mooncaked.transfer import TransferEngine, TransferError, TransferOp
-from mooncaked.transfer.shm import host_id
+from mooncaked.transfer import TransferEngine, TransferError, TransferOp, host_id
 
 logger = logging.getLogger(__name__)
 

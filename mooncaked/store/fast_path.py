@@ -179,11 +179,6 @@ class FastPathServer:
             return 0, reply.SerializeToString()
         return self._finish(name, reply)
 
-    async def handle(self, name: str, body: bytes, timeout_ms: int) -> tuple[int, bytes]:
-        """Run one call to its end (what `answer` gives, awaited)."""
-        answer = self.answer(name, body, timeout_ms)
-        return answer if isinstance(answer, tuple) else await answer
-
     @staticmethod
     async def _finish(name: str, pending: Awaitable[Message]) -> tuple[int, bytes]:
         try:

@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import RoleServer
 from mooncaked.tasks import spawn
-from mooncaked.transfer.shm import host_id
+from mooncaked.transfer import host_id
 from mooncaked.store import convert, metrics
 from mooncaked.store.fast_path import FastPathServer
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError

@@ -18,6 +18,7 @@ from mooncaked.transfer.api import (
     UnknownRegionError,
 )
 from mooncaked.transfer.engine import TransferEngine
+from mooncaked.transfer.shm import host_id
 
 __all__ = [
     "BackendUnavailableError",
@@ -32,4 +33,5 @@ __all__ = [
     "TransferOp",
     "TransferTimeoutError",
     "UnknownRegionError",
+    "host_id",
 ]
