@@ -206,3 +206,40 @@ async def test_puts_and_gets_through_shared_memory_match_the_staged_path():
         for c in (tcp, shm, owner):
             await c.close()
         await runner.stop()
+
+
+async def test_a_get_copies_from_the_last_seen_place_and_keeps_only_the_committed_bytes():
+    """hints.py: a client that put an object copies it from that place while the master answers its
+    lookup, and keeps the copy only when it hashes to the checksum the master answers. A place whose
+    key was removed and put again elsewhere gives a stale copy: never served, never counted as corrupt."""
+    runner, addr = await start()
+    owner = await client(addr, "owner", dram_bytes=1 << 20, transfer_backend="auto")
+    writer = await client(addr, "writer", transfer_backend="auto")
+    other = await client(addr, "other", transfer_backend="auto")
+    try:
+        a, b, a2 = (os.urandom(32 * KiB) for _ in range(3))
+        assert await writer.put("h/a", a) and await writer.put("h/b", b)
+        used = metric("mooncaked_store_client_hinted_reads_total", outcome="used")
+        stale = metric("mooncaked_store_client_hinted_reads_total", outcome="stale")
+        failures = metric("mooncaked_store_checksum_failures_total", tier="dram")
+        assert await writer.get("h/a") == a
+        assert metric("mooncaked_store_client_hinted_reads_total", outcome="used") == used + 1
+
+        # another client replaces h/a (its old place stays leased, so the new bytes land elsewhere)
+        assert await other.remove(["h/a"]) == 1
+        assert await other.put("h/a", a2)
+        assert await writer.batch_get(["h/a", "h/b"]) == [a2, b]
+        assert metric("mooncaked_store_client_hinted_reads_total", outcome="stale") == stale + 1
+        assert metric("mooncaked_store_client_hinted_reads_total", outcome="used") == used + 2  # h/b
+        assert metric("mooncaked_store_checksum_failures_total", tier="dram") == failures
+        assert await writer.get("h/a") == a2  # the lookup refreshed the hint: used again
+        assert metric("mooncaked_store_client_hinted_reads_total", outcome="used") == used + 3
+
+        # a removed key is a miss even though its old place still holds intact bytes
+        assert await other.remove(["h/b"]) == 1
+        assert await writer.get("h/b") is None
+        assert await writer.exist("h/a")
+    finally:
+        for c in (other, writer, owner):
+            await c.close()
+        await runner.stop()

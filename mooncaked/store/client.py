@@ -6,6 +6,8 @@ writes it into the segments the master picked; a get reads it from a DRAM copy i
 staging area and checks its XXH3-64 before handing it over (a mismatch is a miss: the
 object is removed, logged and counted). LMDB-held objects are promoted by their owner
 into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
+A get of an object whose place the client already knows copies it while the lookup is in
+flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from mooncaked.tasks import spawn
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
+from mooncaked.store.hints import Hint, Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier
@@ -62,6 +65,7 @@ class StoreClientConfig:
     no_room_retry_s: float = 2.0  # a put that found no room is retried this long (the master is demoting)
     fast_path: bool = True  # metadata calls on the master's fast path when it offers one (else gRPC)
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
+    location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -107,6 +111,7 @@ class StoreClient:
         self._fast_backoff = FAST_RETRY_S
         self._fast_lock = asyncio.Lock()
         self._places = Places()
+        self._hints = Hints(config.location_hints)
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
 
@@ -292,6 +297,7 @@ class StoreClient:
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
+        self._hints.note(key, place.replicas[0], size, csum)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
         return True
@@ -430,6 +436,8 @@ class StoreClient:
             await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
             for i in writing:
                 ok[i] = not failed
+                if not failed:
+                    self._hints.note(items[i][0], reply.items[i].replicas[0], sizes[i], sums[i])
         for i, good in enumerate(ok):
             metrics.client_op("put", "ok" if good else "no_room").inc()
             if good and i in writing:
@@ -499,6 +507,39 @@ class StoreClient:
                 corrupt.append(o.key)
         return left
 
+    async def _read_hinted(self, hinted: list[tuple[str, Hint]]) -> dict[str, bytes]:
+        """Copies from the hinted places that shared memory reaches (unchecked: see _keep_early)."""
+        early: dict[str, bytes] = {}
+        for key, h in hinted:
+            try:
+                data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size,
+                                                      self.config.transfer_timeout_s)
+            except TransferError as e:  # the holder is gone, or its region changed: the lookup decides
+                logger.debug("store get of %s: no early copy from its last place (%s)", key, e)
+                data = None
+            if data is not None:
+                early[key] = data
+        return early
+
+    def _keep_early(self, objs: list, early: dict[str, bytes], index: dict[str, int], out: list[bytes | None],
+                    got: list[bool]) -> list:
+        """Serve the objects whose early copy hashes to the checksum the master just answered (those
+        are the committed bytes); returns the others, to read from the master's answer. A copy that
+        does not match is stale (its place was reused), not corrupt: it is dropped, not counted."""
+        left = []
+        for o in objs:
+            data = early.get(o.key)
+            if data is not None and len(data) == o.size and checksum(data) == o.checksum:
+                out[index[o.key]] = data
+                got[index[o.key]] = True
+                metrics.client_bytes("get").inc(o.size)
+                metrics.hinted_read("used").inc()
+            else:
+                if data is not None:
+                    metrics.hinted_read("stale").inc()
+                left.append(o)
+        return left
+
     async def get_into(self, key: str, out: torch.Tensor) -> bool:
         """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's)."""
         return (await self.batch_get_into([key], [out]))[0]
@@ -530,8 +571,17 @@ class StoreClient:
         for start in range(0, len(keys), step):
             req = store_pb2.BatchGetReplicasRequest(keys=list(keys[start : start + step]),
                                                     client_id=self.config.client_id)
-            reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+            hinted = self._hints.pick(req.keys) if out is not None else []
+            if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
+                lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+                early = await self._read_hinted(hinted)
+                reply = await lookup
+            else:
+                reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
             objs = [o for o in reply.objects if o.key in index and o.replicas]
+            self._hints.note_objects(objs)
+            if hinted:
+                objs = self._keep_early(objs, early, index, out, got)  # type: ignore[arg-type]
             if out is not None:
                 corrupt: list[str] = []
                 objs = await self._read_direct(objs, index, out, got, corrupt)
@@ -588,6 +638,7 @@ class StoreClient:
         return reply.num_keys
 
     async def remove(self, keys: Sequence[str]) -> int:
+        self._hints.forget(keys)
         reply = await self._call("Remove", self.stub.Remove, store_pb2.RemoveRequest(keys=list(keys)))
         return reply.removed
 

@@ -77,6 +77,9 @@ CLIENT_BYTES = Counter("mooncaked_store_client_bytes", "Object bytes a client pu
 CHECKSUM_FAILURES = Counter("mooncaked_store_checksum_failures",
                             "Reads whose bytes did not match the object's checksum (served as a miss).",
                             ["tier"])
+HINTED_READS = Counter("mooncaked_store_client_hinted_reads",
+                       "Gets that copied from an object's last-seen place during the lookup: the copy used, "
+                       "or stale (its place was reused; read again from the lookup).", ["outcome"])
 TIER_TASKS = Counter("mooncaked_store_tier_tasks", "Tier moves a client carried out.", ["kind", "result"])
 
 
@@ -94,3 +97,8 @@ def lookup(result: str) -> Any:
 @functools.cache
 def client_bytes(op: str) -> Any:
     return CLIENT_BYTES.labels(op)
+
+
+@functools.cache
+def hinted_read(outcome: str) -> Any:
+    return HINTED_READS.labels(outcome)
