@@ -7,7 +7,9 @@ driver process, which lends nothing, that puts N objects and gets them back, so 
 crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency) and
 batched put and get (MB/s). Mooncake uses TCP on loopback; our rows: TCP, shared memory
 (backend auto, what two engines on one host use), and TCP with the metadata calls over gRPC
-instead of the master's fast path (what the fast path buys).
+instead of the master's fast path (what the fast path buys). Floors, measured in the same run: a raw
+TCP request/response of one object between two processes (blocking sockets, no framing) and one
+memcpy of it: what the transports alone cost.
 
 The baseline is `mooncake-transfer-engine`'s `MooncakeDistributedStore` with its
 `mooncake_master` (`pip install mooncake-transfer-engine-non-cuda` on a host without CUDA:
@@ -293,6 +295,52 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# -- floors: what the transports alone cost per object, measured in the same run --------------------
+def _raw_server(pipe: Connection, size: int) -> None:
+    """Answers each 16-byte request with `size` bytes, with blocking sends (no event loop, no Python
+    framing): the floor for moving one object between processes over loopback TCP."""
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        pipe.send(srv.getsockname()[1])
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = os.urandom(size)
+        while conn.recv(16):
+            conn.sendall(body)
+
+
+def floors(n: int, size: int) -> dict[str, float]:
+    """p50 ms per object: a raw TCP request/response of `size` bytes between two processes, and one
+    memcpy of `size` bytes (the data part of a shared-memory put or get)."""
+    pipe, child = CTX.Pipe()
+    server = CTX.Process(target=_raw_server, args=(child, size), daemon=True)
+    server.start()
+    lat = []
+    try:
+        with socket.create_connection(("127.0.0.1", pipe.recv()), timeout=10) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            buf = memoryview(bytearray(size))
+            for _ in range(n + 16):
+                t = time.perf_counter()
+                c.sendall(b"r" * 16)
+                got = 0
+                while got < size:
+                    got += c.recv_into(buf[got:])
+                lat.append(time.perf_counter() - t)
+    finally:
+        server.join(5)
+    src = payloads(n, size)
+    dst = bytearray(size)
+    copies = []
+    for d in src:
+        t = time.perf_counter()
+        dst[:] = d
+        copies.append(time.perf_counter() - t)
+    return {"tcp_request_response_p50_ms": summarize(lat[16:], size)["p50_ms"],
+            "memcpy_p50_ms": summarize(copies, size)["p50_ms"]}
+
+
 # -- main ---------------------------------------------------------------------------------------------
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per row, the run with the highest MB/s (reps absorb noise from the shared machine)."""
@@ -328,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"object_bytes": size, "objects": n, "batch": args.batch, "reps": reps,
                            "transport": {"ours": "tcp loopback", "ours_shm": "shared memory (backend auto)",
                                          "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
-                                         "mooncake": "tcp loopback"}}
+                                         "mooncake": "tcp loopback"},
+                           "floors": floors(n, size)}
     for name in SYSTEMS:
         out[name] = best(runs[name])
     if runs["mooncake"] and why is None:
@@ -356,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
             p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
             print(f"{row:<10} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
+    f = out["floors"]
+    print(f"floors, p50 per object: raw TCP request/response {f['tcp_request_response_p50_ms']:.3f} ms "
+          f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")
     if out["mooncake"] is None:
         print(out["baseline"])
     return 0
