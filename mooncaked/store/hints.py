@@ -20,13 +20,12 @@ from mooncaked.proto.mooncake.v1 import store_pb2
 
 @dataclass(frozen=True, slots=True)
 class Hint:
-    """One copy of an object as last seen: where it is and what it must hash to."""
+    """One copy of an object as last seen (what it must hash to comes from the lookup, not from here)."""
 
     address: str  # the holder's transfer address
     region: str
     offset: int
     size: int
-    checksum: int
 
 
 class Hints:
@@ -39,10 +38,10 @@ class Hints:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def note(self, key: str, replica: store_pb2.Replica, size: int, checksum: int) -> None:
+    def note(self, key: str, replica: store_pb2.Replica, size: int) -> None:
         if self.capacity <= 0:
             return
-        self._by_key[key] = Hint(replica.endpoint.address, replica.endpoint.region, replica.offset, size, checksum)
+        self._by_key[key] = Hint(replica.endpoint.address, replica.endpoint.region, replica.offset, size)
         self._by_key.move_to_end(key)
         if len(self._by_key) > self.capacity:
             self._by_key.popitem(last=False)
@@ -50,7 +49,7 @@ class Hints:
     def note_objects(self, objs: Iterable[store_pb2.ObjectReplicas]) -> None:
         for o in objs:
             if o.replicas:
-                self.note(o.key, o.replicas[0], o.size, o.checksum)
+                self.note(o.key, o.replicas[0], o.size)
 
     def pick(self, keys: Sequence[str]) -> list[tuple[str, Hint]]:
         """The keys of `keys` with a hint, and their hints."""
