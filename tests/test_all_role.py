@@ -22,6 +22,15 @@ def _ctl(conductor: str, *args: str, timeout: float = 60) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an exited child waits for a reaper that a container may lack)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
     notify_path = tmp_path / "notify.sock"
@@ -39,6 +48,9 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         assert notify.recv(256) == b"READY=1"  # sent once the conductor sees a serving prefill and decode
+        children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+        assert len(children) >= 3, f"expected the store master, prefill and decode as children: {children}"
         status = _ctl(conductor, "status", "--json")
         assert status.returncode == 0, status.stderr
         instances = json.loads(status.stdout)["instances"]
@@ -53,10 +65,14 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert notify.recv(256) == b"STOPPING=1"
+    except BaseException:
+        log.flush()
+        print("--- the `all` process's log (tail) ---\n" + (tmp_path / "all.log").read_text()[-6000:])
+        raise
     finally:
         if proc.poll() is None:
             proc.kill()
         notify.close()
     time.sleep(0.5)
-    leftovers = subprocess.run(["pgrep", "-f", f"mooncaked.*{port}"], capture_output=True, text=True).stdout
-    assert leftovers.strip() == "", "children outlived the `all` process"
+    leftovers = [pid for pid in children if _running(pid)]
+    assert not leftovers, f"children outlived the `all` process: {leftovers}"

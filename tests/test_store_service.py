@@ -243,3 +243,34 @@ async def test_a_get_copies_from_the_last_seen_place_and_keeps_only_the_committe
         for c in (other, writer, owner):
             await c.close()
         await runner.stop()
+
+
+async def test_a_client_whose_first_start_failed_starts_on_a_later_try():
+    """An engine retries start() while the master comes up (`--role all` starts them together): the
+    regions and LMDB tier of the failed try are kept, not registered twice."""
+    import socket
+
+    from mooncaked.store import StoreClient, StoreClientConfig, StoreError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c = StoreClient(StoreClientConfig(master=f"127.0.0.1:{port}", client_id="early", dram_bytes=256 * KiB,
+                                      rpc_timeout_s=0.5, ping_interval_s=0.2))
+    with pytest.raises(StoreError):
+        await c.start()  # no master yet
+    runner, addr = await start(port=port)
+    try:
+        for _ in range(100):  # as the engine role does: the channel reconnects after its backoff
+            try:
+                await c.start()
+                break
+            except StoreError:
+                await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the client never started once the master was up")
+        data = os.urandom(8 * KiB)
+        assert await c.put("e/1", data) and await c.get("e/1") == data
+    finally:
+        await c.close()
+        await runner.stop()

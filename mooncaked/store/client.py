@@ -120,19 +120,23 @@ class StoreClient:
         return f"{self.config.client_id}/dram"
 
     async def start(self) -> None:
+        """Lend the segments and mount them. May be called again after it raised (say, the master
+        was not up yet): what the first call set up is kept, not made twice."""
         cfg = self.config
-        if self._own_transfer:
+        if self._own_transfer and self.transfer.address is None:
             await self.transfer.start()
         if self.transfer.address is None:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
-        self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
-        if cfg.dram_bytes:
+        if self.staging is None:
+            self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
+        if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
-        if cfg.lmdb_bytes:
+        if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
-        self._channel = grpc.aio.insecure_channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-        self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+            self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread)
         await self.mounts.mount_all()
@@ -297,7 +301,7 @@ class StoreClient:
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
-        self._hints.note(key, place.replicas[0], size, csum)
+        self._hints.note(key, place.replicas[0], size)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
         return True
@@ -437,7 +441,7 @@ class StoreClient:
             for i in writing:
                 ok[i] = not failed
                 if not failed:
-                    self._hints.note(items[i][0], reply.items[i].replicas[0], sizes[i], sums[i])
+                    self._hints.note(items[i][0], reply.items[i].replicas[0], sizes[i])
         for i, good in enumerate(ok):
             metrics.client_op("put", "ok" if good else "no_room").inc()
             if good and i in writing:
