@@ -504,9 +504,7 @@ class StoreClient:
             if data is None:
                 left.append(o)
             elif self._intact(o, data):
-                out[index[o.key]] = data
-                got[index[o.key]] = True
-                metrics.client_bytes("get").inc(o.size)
+                _hand_over(o, data, index, out, got)
             else:
                 corrupt.append(o.key)
         return left
@@ -534,9 +532,7 @@ class StoreClient:
         for o in objs:
             data = early.get(o.key)
             if data is not None and len(data) == o.size and checksum(data) == o.checksum:
-                out[index[o.key]] = data
-                got[index[o.key]] = True
-                metrics.client_bytes("get").inc(o.size)
+                _hand_over(o, data, index, out, got)
                 metrics.hinted_read("used").inc()
             else:
                 if data is not None:
@@ -648,6 +644,14 @@ class StoreClient:
 
     async def pool_stats(self) -> store_pb2.PoolStatsReply:
         return await self._call("PoolStats", self.stub.PoolStats, store_pb2.PoolStatsRequest())
+
+
+def _hand_over(o: store_pb2.ObjectReplicas, data: bytes, index: dict[str, int], out: list[bytes | None],
+               got: list[bool]) -> None:
+    """A checked object's bytes into a get's results."""
+    out[index[o.key]] = data
+    got[index[o.key]] = True
+    metrics.client_bytes("get").inc(o.size)
 
 
 __all__ = ["StoreClient", "StoreClientConfig", "StoreError", "StoreUnavailable"]

@@ -35,9 +35,6 @@ class Hints:
         self.capacity = capacity
         self._by_key: OrderedDict[str, Hint] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._by_key)
-
     def note(self, key: str, replica: store_pb2.Replica, size: int) -> None:
         if self.capacity <= 0:
             return
