@@ -23,7 +23,7 @@ from replay import Synthesizer, TraceRequest, load_trace  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
-TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
+TRACE = ROOT / "tools" / "traces" / "synthetic_trace.jsonl"  # bundled: Mooncake's public trace
 
 
 def test_equal_hash_ids_give_equal_token_blocks():
@@ -106,7 +106,7 @@ def _check_outputs(out: Path) -> dict:
 
 
 def test_replay_a_slice_of_the_trace(all_role, tmp_path):
-    assert TRACE.is_file(), f"the public trace should sit at {TRACE} (shared/ beside the checkout)"
+    assert TRACE.is_file(), f"the bundled trace is missing: {TRACE}"
     done = _replay(all_role, TRACE, tmp_path, "--max-requests", "8", "--time-scale", "0.05")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "8/8" in done.stderr  # the progress bar ran to the end

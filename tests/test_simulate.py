@@ -5,14 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import random
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
+BUNDLED_TRACE = ROOT / "tools" / "traces" / "synthetic_trace.jsonl"
 SCHEMA = ("mean_ttft_s", "p90_ttft_s", "tbt_slo_attainment", "goodput_rps", "rejected", "prefill_tokens_computed")
 
 
@@ -30,22 +29,10 @@ def simulate():
 
 @pytest.fixture(scope="module")
 def trace_slice(tmp_path_factory) -> Path:
-    """The first 120 requests of the shared synthetic trace, or a made-up one in its format."""
+    """The first 120 requests of the bundled trace (Mooncake's public synthetic trace)."""
     out = tmp_path_factory.mktemp("trace") / "slice.jsonl"
-    if SHARED_TRACE.is_file():
-        with open(SHARED_TRACE) as f:
-            lines = [next(f) for _ in range(120)]
-    else:
-        rng = random.Random(0)
-        lines, convs = [], {}
-        for i in range(120):
-            conv = rng.randrange(20)
-            prefix = convs.get(conv, [])
-            blocks = prefix + [10_000 + i * 100 + k for k in range(rng.randint(1, 6))]
-            convs[conv] = blocks
-            lines.append(json.dumps({"timestamp": i * 250, "input_length": len(blocks) * 512 - 100,
-                                     "output_length": rng.randint(1, 300), "hash_ids": blocks}) + "\n")
-    out.write_text("".join(lines))
+    with open(BUNDLED_TRACE) as f:
+        out.write_text("".join(next(f) for _ in range(120)))
     return out
 
 

@@ -14,7 +14,7 @@ second), rejections (HTTP 429) and the prompt-cache hit rate (cached_tokens / pr
 from ``usage``); writes ``report.json`` and ``replay.png`` (TTFT and TBT CDFs, throughput
 over time) into ``--out``.
 
-    python tools/replay.py --trace ../shared/data/synthetic_trace.jsonl --url http://127.0.0.1:8000 \\
+    python tools/replay.py --trace tools/traces/synthetic_trace.jsonl --url http://127.0.0.1:8000 \\
         --time-scale 0.1 --length-scale 0.01 --max-requests 200 --out replay-out
 """
 
@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim.trace import TraceRequest, load_trace  # noqa: E402  (the one Mooncake-trace reader, shared with simulate.py)
+from sim.trace import DEFAULT_TRACE, TraceRequest, load_trace  # noqa: E402  (the one Mooncake-trace reader, shared with simulate.py)
 
 log = logging.getLogger("replay")
 
@@ -310,7 +310,8 @@ def _positive(kind):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
+                    help="Mooncake-format JSONL trace (default: the bundled tools/traces/synthetic_trace.jsonl)")
     ap.add_argument("--url", required=True, help="the conductor's HTTP front, e.g. http://127.0.0.1:8000")
     ap.add_argument("--time-scale", type=_positive(float), default=1.0,
                     help="send time = trace time x this (1 real time, 0.1 ten times faster, 0 all at once)")

@@ -9,7 +9,7 @@ are the live conductor's own code. Each policy replays the whole trace on the sa
 SLO attainment, goodput, early rejections, late drops, prefill tokens computed / wasted /
 reused) is printed.
 
-    python tools/simulate.py --trace ../shared/data/synthetic_trace.jsonl --prefill 16 --decode 16
+    python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
     python tools/simulate.py --quick --json -            # one JSON object on stdout
 """
 
@@ -31,11 +31,10 @@ from mooncaked.conductor.early_rejection import SLO  # noqa: E402
 from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES, make_policy  # noqa: E402
 from sim.engine import SimConfig, Simulation  # noqa: E402
 from sim.metrics import PolicyResult, average, format_table  # noqa: E402
-from sim.trace import load_trace  # noqa: E402
+from sim.trace import DEFAULT_TRACE, load_trace  # noqa: E402
 
 log = logging.getLogger("simulate")
 
-DEFAULT_TRACE = ROOT.parent / "shared" / "data" / "synthetic_trace.jsonl"
 QUICK_REQUESTS = 1000
 
 

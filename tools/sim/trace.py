@@ -6,6 +6,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# Mooncake's public synthetic trace, shipped in the repository (tools/traces/README.md names its source)
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "traces" / "synthetic_trace.jsonl"
+
 
 @dataclass(frozen=True)
 class TraceRequest:
