@@ -121,3 +121,26 @@ def test_sysusers_entry_is_valid(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert re.search(r"Creating user '?mooncaked'?", output), output
+
+
+def test_the_unit_is_hardened(tmp_path, capsys):
+    """`systemd-analyze security` scores the unit (0 safe .. 10 exposed); the aim is 3.0 or less."""
+    analyze = _tool("systemd-analyze")
+    d = _directives(SERVICE)
+    for key, value in {"CapabilityBoundingSet": "", "SystemCallFilter": "@system-service", "RestrictNamespaces": "yes",
+                       "ProtectClock": "yes", "ProtectHostname": "yes", "ProtectKernelLogs": "yes",
+                       "ProtectProc": "invisible", "TasksMax": "4096",
+                       "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK"}.items():
+        assert d.get(key) == [value], f"{SERVICE.name}: expected {key}={value}, found {d.get(key)}"
+    # ProtectClock= implies a device allow-list: the GPU's device nodes must be on it
+    assert "char-nvidia-frontend rw" in d["DeviceAllow"] and "char-nvidia-uvm rw" in d["DeviceAllow"]
+    unit = tmp_path / "mooncaked@prefill.service"
+    unit.write_text(SERVICE.read_text().replace("/usr/local/bin/mooncaked", str(Path(sys.executable))))
+    proc = subprocess.run([analyze, "security", "--offline=true", "--no-pager", str(unit)], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    output = proc.stdout + proc.stderr
+    with capsys.disabled():
+        print("\n" + output)
+    m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", output)
+    assert m, f"no exposure level in systemd-analyze security's output (rc {proc.returncode}):\n{output}"
+    assert float(m.group(1)) <= 3.0, output
