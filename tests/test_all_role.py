@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from cluster import free_port
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,6 +36,33 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _printed(log_path, proc, pattern: str, timeout_s: float = 120) -> re.Match:
+    """Wait until the process's output holds ``pattern``: what a user reads before acting."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = re.search(pattern, log_path.read_text())
+        if m:
+            return m
+        assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
+        time.sleep(0.05)
+    raise TimeoutError(f"no /{pattern}/ in {timeout_s}s: {log_path.read_text()[-3000:]}")
+
+
+def _grpc_generate(conductor: str) -> list[int]:
+    req = conductor_pb2.GenerateRequest(prompt="t1 t2 t3", raw=True,
+                                        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+    with grpc.insecure_channel(conductor) as ch:
+        return [t for c in conductor_pb2_grpc.ConductorStub(ch).Generate(req, timeout=120) for t in c.token_ids]
+
+
+def _http_complete(http: str, model: str) -> tuple[int, dict]:
+    body = json.dumps({"model": model, "prompt": "t4 t5 t6", "max_tokens": 4, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://{http}/v1/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status, json.loads(r.read())
+
+
 def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
     notify_path = tmp_path / "notify.sock"
@@ -44,9 +76,19 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
                MOONCAKED_HEARTBEAT_INTERVAL_S="0.3")
     log = open(tmp_path / "all.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
-                             "--listen", conductor, "--http", f"127.0.0.1:{free_port()}"],
+                             "--listen", conductor, "--http", "127.0.0.1:0"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
+        # ready means ready: requests sent the moment it says where it listens complete (they wait for
+        # the engines), on both fronts
+        m = _printed(tmp_path / "all.log", proc, r"mooncaked all: conductor on (\S+), HTTP on (\S+) ")
+        assert m.group(1) == conductor
+        with ThreadPoolExecutor(2) as pool:
+            tokens = pool.submit(_grpc_generate, conductor)
+            completion = pool.submit(_http_complete, m.group(2), folder.name)
+            assert len(tokens.result()) == 4
+            status, body = completion.result()
+            assert status == 200 and body["usage"]["completion_tokens"] == 4
         assert notify.recv(256) == b"READY=1"  # sent once the conductor sees a serving prefill and decode
         children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                        text=True).stdout.split()]
@@ -54,14 +96,18 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
         status = _ctl(conductor, "status", "--json")
         assert status.returncode == 0, status.stderr
         instances = json.loads(status.stdout)["instances"]
-        assert sorted(i["role"] for i in instances) == ["ROLE_DECODE", "ROLE_PREFILL"]
+        assert sorted(i["role"] for i in instances) == ["decode", "prefill"]
+        ready_line = _printed(tmp_path / "all.log", proc, r"mooncaked all: cluster ready \((.*)\)").group(1)
+        for i in instances:  # one naming rule: ROLE-HOST-PORT with the port the engine bound, as printed
+            assert i["name"] == f"{i['role']}-{i['address'].replace(':', '-')}"
+            assert f"{i['name']} at {i['address']}" in ready_line
         table = _ctl(conductor, "status")
         assert "prefill" in table.stdout and "serving" in table.stdout
         gen = _ctl(conductor, "generate", "t7 t8 t9", "--raw", "--max-tokens", "6")
         assert gen.returncode == 0, gen.stderr
         assert len(gen.stdout.split()) >= 1 and "finish=" in gen.stderr
         bad = _ctl(conductor, "drain", "no-such-instance")
-        assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr
+        assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "Traceback" not in bad.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert notify.recv(256) == b"STOPPING=1"

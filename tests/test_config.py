@@ -203,3 +203,21 @@ def test_all_role_tells_its_conductor_where_the_store_master_is():
     assert children["conductor"].store == children["store"].listen == children["prefill"].store
     given = {c.role: c for c in child_configs(AllConfig(listen="127.0.0.1:50051", store="10.0.0.2:50052"))}
     assert "store" not in given and given["conductor"].store == HostPort("10.0.0.2", 50052)
+
+
+@pytest.mark.parametrize("role", ["conductor", "prefill", "decode", "store", "all"])
+def test_each_role_help_shows_its_own_flags_each_with_its_default(role):
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, role)
+    cls = {"conductor": ConductorConfig, "prefill": PrefillConfig, "decode": DecodeConfig, "store": StoreConfig,
+           "all": AllConfig}[role]
+    shown = {a.dest for a in parser._actions if a.help != argparse.SUPPRESS} - {"help", "config", "role"}
+    assert shown == {f.name for f in dataclasses.fields(cls)} - {"role"}
+    for action in parser._actions:
+        if action.dest in shown:
+            assert "default" in action.help, (action.dest, action.help)
+    # another role's flag still parses, so that load_config can say whose it is
+    other = "--policy" if role in ("prefill", "decode", "store") else "--store-lmdb-path"
+    if role != "all":
+        with pytest.raises(ConfigError, match="is a setting of role"):
+            load_config(parser.parse_args(["--role", role, other, "x"]), {})

@@ -33,7 +33,8 @@ def cluster(tiny_model_factory, tmp_path_factory):
     c, keyed = Cluster(folder, logs), Cluster(folder, logs)
     c.keyed = keyed
     try:
-        keyed.start("keyed", "conductor", "--http", "127.0.0.1:0", "--api-key", "s3cret")
+        # its startup window (requests wait for engines) is short: the tests see it refuse at once after
+        keyed.start("keyed", "conductor", "--http", "127.0.0.1:0", "--api-key", "s3cret", "--ready-timeout-s", "1")
         c.start("conductor", "conductor", "--http", "127.0.0.1:0")
         keyed.http = f"http://127.0.0.1:{keyed.http_port('keyed')}"
         c.http = f"http://127.0.0.1:{c.http_port('conductor')}"
@@ -156,7 +157,6 @@ BAD = [
     ("completions", b"{not json", None),
     ("completions", b"[1, 2]", None),
     ("completions", {"prompt": "t5"}, "model"),
-    ("completions", {"model": "gpt-4", "prompt": "t5"}, "model"),
     ("completions", {"prompt": 5}, "prompt"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [5, 999]}, "prompt"),
@@ -170,11 +170,11 @@ BAD = [
     ("completions", {"prompt": "t5", "temperature": "hot"}, "temperature"),
     ("completions", {"prompt": "t5", "top_p": 0}, "top_p"),
     ("completions", {"prompt": "t5", "seed": -1}, "seed"),
-    ("completions", {"prompt": "t5", "n": 2}, "n"),
+    ("completions", {"prompt": "t5", "n": 0}, "n"),
     ("completions", {"prompt": "t5", "stop": [""]}, "stop"),
     ("completions", {"prompt": "t5", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "t5", "stream_options": {"include_usage": True}}, "stream_options"),
-    ("completions", {"prompt": "t5", "logprobs": 3}, "logprobs"),
+    ("completions", {"prompt": "t5", "logprobs": 6}, "logprobs"),
     ("completions", {"prompt": [5] * 600}, None),  # longer than the context: refused by the request path
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
@@ -196,6 +196,10 @@ async def test_bad_requests_get_400_and_the_server_keeps_serving(cluster, http):
             err = json.loads(text)["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], text
             assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+    # a model this server does not serve is not found, as OpenAI answers it
+    async with http.post("/v1/completions", json={"model": "gpt-4", "prompt": "t5"}) as r:
+        err = (await r.json())["error"]
+        assert r.status == 404 and err["code"] == "model_not_found" and err["param"] == "model", err
     # ignore_eos: sampled at temperature 1, the tiny random model draws its EOS now and then
     async with http.post("/v1/completions", json={"model": model, "prompt": "t5 t6", "max_tokens": 3,
                                                   "ignore_eos": True}) as r:
@@ -227,13 +231,12 @@ async def test_bearer_token_and_no_instance(cluster):
     """The conductor with an API key and no engines: 401 without the key, 503 with it."""
     body = {"model": _model(cluster), "prompt": "t5", "max_tokens": 2}
     async with aiohttp.ClientSession(cluster.keyed.http, timeout=TIMEOUT) as s:
-        for _ in range(100):
-            try:
-                async with s.get("/health") as r:
-                    health = r.status, await r.json()
+        for _ in range(100):  # "starting" for ready_timeout_s, then "unavailable"
+            async with s.get("/health") as r:
+                health = r.status, await r.json()
+            if health[1]["status"] != "starting":
                 break
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)
         assert health == (503, {"status": "unavailable", "prefill": 0, "decode": 0})  # open without a key
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             async with s.post("/v1/completions", json=body, headers=headers) as r:
@@ -335,3 +338,31 @@ async def test_metrics_show_latency_of_both_fronts(cluster, http):
     assert samples[running] == 0
     prompt, cached = (samples[f"mooncaked_conductor_{n}_total"] for n in ("prompt_tokens", "cached_prompt_tokens"))
     assert prompt > 0 and samples["mooncaked_conductor_prefix_hit_rate"] == pytest.approx(cached / prompt)
+
+
+async def test_a_starting_conductor_says_so_and_holds_requests(tiny_model_factory, tmp_path):
+    """A conductor that has had no prefill and decode yet, within --ready-timeout-s: /health answers
+    503 "starting", Status says so, and requests wait (here until the client gives up) instead of
+    being refused at once. (The keyed conductor above shows the refusal once the window is over.)"""
+    _, folder = tiny_model_factory("llama")
+    c = Cluster(folder, tmp_path)
+    try:
+        c.start("patient", "conductor", "--ready-timeout-s", "600")
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{c.http_port('patient')}", timeout=TIMEOUT) as s:
+            async with s.get("/health") as r:
+                assert (r.status, await r.json()) == (503, {"status": "starting", "prefill": 0, "decode": 0})
+            body = {"model": _model(c), "prompt": "t5", "max_tokens": 2}
+            with pytest.raises(asyncio.TimeoutError):  # held, not answered 503
+                async with s.post("/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    await r.read()
+        req = conductor_pb2.GenerateRequest(prompt="t5", sampling=common_pb2.SamplingParams(max_tokens=2))
+        async with grpc.aio.insecure_channel(c.conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            st = await stub.Status(conductor_pb2.StatusRequest(), timeout=5)
+            assert (st.conductor.state, st.conductor.ready_timeout_s) == ("starting", 600)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in stub.Generate(req, timeout=1):
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        c.stop()

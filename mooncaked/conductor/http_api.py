@@ -10,6 +10,7 @@ OpenAI-style JSON body; a bad request never takes the server down.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -23,8 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mooncaked.conductor import metrics
 from mooncaked.conductor.kv_indexer import KVIndexer
-from mooncaked.conductor.openai_schema import (ApiError, GenerateSpec, ServedModel, bad, chunk_body, parse_chat,
-                                               parse_completion, response_body, usage, usage_chunk)
+from mooncaked.conductor.fanout import first_chunks, merged
+from mooncaked.conductor.openai_response import Responder, TokenTexts, merge_chunks, usage
+from mooncaked.conductor.openai_schema import ApiError, GenerateSpec, ServedModel, bad, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
 
@@ -127,55 +129,76 @@ class HttpFront:
             metrics.rejected("invalid_argument")  # refused before the request path saw it
             raise
 
+    @functools.cached_property
+    def texts(self) -> TokenTexts:
+        """Token id -> text for log-probs, with the conductor's tokenizer."""
+        return TokenTexts(lambda ids: self.service.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _prompt_text(self, spec: GenerateSpec) -> str:
+        """What ``echo`` puts before the answer: the prompt as sent, or its token ids decoded."""
+        if not spec.echo:
+            return ""
+        if spec.request.WhichOneof("input") == "prompt":
+            return spec.request.prompt
+        return self.service.tokenizer.decode(list(spec.request.token_ids.ids), skip_special_tokens=False)
+
     async def _generate(self, request: web.Request, spec: GenerateSpec) -> web.StreamResponse:
-        stream = self.service.generate_stream(spec.request, _HttpContext(), front="http")
-        async with contextlib.aclosing(stream):
-            # wait for the first chunk before answering: until then every failure (early
+        async with contextlib.AsyncExitStack() as stack:
+            streams = []
+            for req in spec.choice_requests():  # n > 1: one request per choice (fanout.py)
+                stream = self.service.generate_stream(req, _HttpContext(), front="http")
+                stack.push_async_callback(stream.aclose)
+                streams.append(stream)
+            # wait for the first chunks before answering: until then every failure (early
             # rejection, no instance) still gets its own status instead of a broken 200 stream
             try:
-                first = await anext(stream)
+                firsts = await first_chunks(streams)
             except UpstreamError as e:
                 raise api_error(e) from None
-            except StopAsyncIteration:
-                raise ApiError(500, "the request produced no tokens", "server_error") from None
+            if any(f is None for f in firsts):
+                raise ApiError(500, "the request produced no tokens", "server_error")
+            rest = merged(streams)
+            stack.push_async_callback(rest.aclose)  # closed before the streams it reads
+            out = Responder(spec, firsts[0].request_id, self.texts, self._prompt_text(spec))
             if spec.stream:
-                return await self._sse(request, spec, first, stream)
-            chunks = [first]
+                return await self._sse(request, out, firsts, rest)
+            chunks = [[f] for f in firsts]
             try:
-                chunks += [c async for c in stream]
+                async for i, c in rest:
+                    chunks[i].append(c)
             except UpstreamError as e:
                 raise api_error(e) from None
-        use = usage(first.prompt_tokens, sum(len(c.token_ids) for c in chunks), first.num_cached_tokens)
-        text = "".join(c.text for c in chunks)
-        return web.json_response(response_body(spec, first.request_id, text, chunks[-1].finish_reason, use))
+        use = usage(firsts[0].prompt_tokens, sum(len(c.token_ids) for cs in chunks for c in cs),
+                    firsts[0].num_cached_tokens)
+        return web.json_response(out.response([merge_chunks(cs) for cs in chunks], use))
 
-    async def _sse(self, request: web.Request, spec: GenerateSpec, first, stream) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        rid = first.request_id
 
         async def send(obj: dict | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
             await resp.write(f"data: {data}\n\n".encode())
 
-        n_tokens = len(first.token_ids)
+        n_tokens = sum(len(f.token_ids) for f in firsts)
         try:
-            await send(chunk_body(spec, rid, first.text, first.finish_reason, True))
+            for i, f in enumerate(firsts):
+                await send(out.chunk(i, f))
             try:
-                async for c in stream:
+                async for i, c in rest:
                     n_tokens += len(c.token_ids)
-                    await send(chunk_body(spec, rid, c.text, c.finish_reason, False))
+                    await send(out.chunk(i, c))
             except UpstreamError as e:
                 # headers are gone: the error travels in the stream, as OpenAI's does
                 await send(api_error(e).body())
             else:
-                if spec.include_usage:
-                    await send(usage_chunk(spec, rid, usage(first.prompt_tokens, n_tokens, first.num_cached_tokens)))
+                if out.spec.include_usage:
+                    await send(out.usage_chunk(usage(firsts[0].prompt_tokens, n_tokens, firsts[0].num_cached_tokens)))
             await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:
-            log.info("client of %s went away mid-stream; cancelling it", rid)
+            log.info("client of %s went away mid-stream; cancelling it", out.rid)
         return resp
 
     async def models(self, request: web.Request) -> web.Response:
@@ -216,11 +239,14 @@ class HttpFront:
 
     async def health(self, request: web.Request) -> web.Response:
         """Ready when at least one prefill and one decode instance serve: a balancer should send
-        no traffic to a conductor that can only answer 503."""
+        no traffic to a conductor that can only answer 503. While the cluster starts (requests
+        wait, conductor/readiness.py) the 503 says "starting"; after that, "unavailable"."""
         reg = self.service.registry
         counts = {role: len(reg.available(role)) for role in ("prefill", "decode")}
-        ready = all(counts.values())
-        return web.json_response({"status": "ok" if ready else "unavailable", **counts}, status=200 if ready else 503)
+        state = self.service.gate.state(reg)
+        if state == "ready":
+            return web.json_response({"status": "ok", **counts})
+        return web.json_response({"status": state, **counts}, status=503)
 
 
 def make_app(service: Any, served: ServedModel, api_key: str | None) -> web.Application:

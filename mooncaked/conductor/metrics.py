@@ -67,6 +67,21 @@ def rejected(reason: str) -> None:
     REJECTIONS.labels(reason).inc()
 
 
+def _total(metric: Any, suffix: str = "") -> float:
+    """The sum of a labelled series over its labels (what `mooncakectl status` shows)."""
+    return sum(s.value for m in metric.collect() for s in m.samples if s.name == m.name + suffix)
+
+
+def requests_in_flight() -> int:
+    """Generate requests being served now, on both fronts."""
+    return int(_total(INFLIGHT))
+
+
+def rejections_total() -> int:
+    """Requests refused before their first token since the process started, every reason."""
+    return int(_total(REJECTIONS, "_total"))
+
+
 def refresh(registry: Any, index_entries: int) -> None:
     """Copy every instance's last reported load into the gauges and work out the hit rate;
     called at scrape time so the series follow the registry (instances that left disappear)."""

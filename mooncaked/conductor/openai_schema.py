@@ -1,10 +1,11 @@
-"""OpenAI request bodies -> our ``GenerateRequest``, and our chunks -> OpenAI response bodies.
+"""OpenAI request bodies -> our ``GenerateRequest`` (the answers' shapes: openai_response.py).
 
 Validation happens here, once, before anything is scheduled: every field is checked for type
 and range so a bad request costs no prefill and gets a 400 that names the field. Fields we do
-not implement are refused when set to a value that would change the output (a silently
-ignored ``logprobs`` or penalty would return something the client did not ask for); fields
-that change nothing (``user``) and unknown extras are ignored, as OpenAI clients send them.
+not implement (``logit_bias``, ``tools``, ``best_of`` > 1, ``suffix``, ...) are refused when set to
+a value that would change the output (a silently ignored one would return something the client
+did not ask for); fields that change nothing (``user``) and unknown extras are ignored, as
+OpenAI clients send them. An unknown model is a 404, as OpenAI's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request: each is a request of its own on the cluster
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' ``logprobs``
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for chat's ``top_logprobs`` (the engine's too)
 _U64 = 1 << 64
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -54,12 +58,26 @@ class ServedModel:
 class GenerateSpec:
     """A validated OpenAI request: the wire request plus how to answer it."""
 
-    model: str
+    model: str  # the served model's canonical id, whatever alias the client sent
     request: conductor_pb2.GenerateRequest
     chat: bool
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n requests, choice i seeded with seed + i
+    logprobs: int | None = None  # None: no log-probs; else how many top tokens to list per position
+    echo: bool = False  # completions: the answer's text starts with the prompt's
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def choice_requests(self) -> list[conductor_pb2.GenerateRequest]:
+        """One request per choice; with a seed, choice i samples with ``seed + i`` so choices differ."""
+        out = []
+        for i in range(self.n):
+            req = conductor_pb2.GenerateRequest()
+            req.CopyFrom(self.request)
+            if i and req.sampling.HasField("seed"):
+                req.sampling.seed = (req.sampling.seed + i) % _U64
+            out.append(req)
+        return out
 
 
 # -- field checks ----------------------------------------------------------------------------------
@@ -120,15 +138,16 @@ def _unsupported(body: dict, allowed: dict[str, tuple]) -> None:
 
 
 def _model(body: dict, served: ServedModel) -> str:
+    """The canonical id of the model the request names (answers carry it, not the alias)."""
     model = body.get("model")
     if model is None:
         raise bad("model is required", "model")
     if not isinstance(model, str):
         raise bad(f"model must be a string, got {type(model).__name__}", "model")
     if model not in served.names:
-        raise bad(f"the model {model!r} does not exist; this server serves {served.names[0]!r}", "model",
-                  "model_not_found")
-    return model
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served.names[0]!r}",
+                       "invalid_request_error", "model", "model_not_found")
+    return served.names[0]
 
 
 def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -> common_pb2.SamplingParams:
@@ -138,7 +157,6 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -
         max_tokens = _int(body, "max_tokens", 1, ctx, f"between 1 and the model's context ({ctx})")
     if max_tokens is None:
         max_tokens = max_tokens_default if max_tokens_default is not None else ctx
-    _int(body, "n", 1, 1, "1 (one choice per request)")
     temperature = _number(body, "temperature", 0.0, 2.0, "between 0 and 2")
     top_p = _number(body, "top_p", 0.0, 1.0, "in (0, 1]", lo_open=True)
     top_k = _int(body, "top_k", -1, 1 << 31, "-1 or 0 (off) or a positive integer")
@@ -156,15 +174,33 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < served.vocab_size for t in stop_ids):
         raise bad(f"stop_token_ids must be a list of token ids in [0, {served.vocab_size})", "stop_token_ids")
+    presence = _number(body, "presence_penalty", -2.0, 2.0, "between -2 and 2")
+    frequency = _number(body, "frequency_penalty", -2.0, 2.0, "between -2 and 2")
+    repetition = _number(body, "repetition_penalty", 0.0, math.inf, "greater than 0 (1 is off)", lo_open=True)
     p = common_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
         top_k=0 if top_k in (None, -1) else top_k, min_p=min_p or 0.0, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos"), skip_special_tokens=_bool(body, "skip_special_tokens", True))
+        ignore_eos=_bool(body, "ignore_eos"), skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        presence_penalty=presence or 0.0, frequency_penalty=frequency or 0.0)
     if top_p is not None:
         p.top_p = top_p
     if seed is not None:
         p.seed = seed
+    if repetition is not None and repetition != 1:
+        p.repetition_penalty = repetition
     return p
+
+
+def _n(body: dict) -> int:
+    n = _int(body, "n", 1, MAX_N, f"between 1 and {MAX_N}")
+    return 1 if n is None else n
+
+
+def _ask_logprobs(p: common_pb2.SamplingParams, top: int | None) -> int | None:
+    if top is not None:
+        p.logprobs = True
+        p.top_logprobs = top
+    return top
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -179,8 +215,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-_COMMON_UNSUPPORTED = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-                       "logit_bias": (None, {}), "best_of": (None, 1), "tools": (None, []),
+_COMMON_UNSUPPORTED = {"logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
                        "response_format": (None, {"type": "text"})}
 
 
@@ -190,8 +225,7 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body, served)
-    _unsupported(body, {**_COMMON_UNSUPPORTED, "echo": (None, False), "suffix": (None, ""),
-                        "logprobs": (None, 0)})
+    _unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "best_of": (None, 1)})
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) != 1:
@@ -209,8 +243,15 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
         raise bad("prompt is required", "prompt")
     else:
         raise bad(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+    logprobs = _ask_logprobs(req.sampling, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS,
+                                                f"between 0 and {MAX_COMPLETION_LOGPROBS}"))
+    echo = _bool(body, "echo")
+    if echo and logprobs is not None:
+        raise bad("echo with logprobs would need the prompt's log-probs, which this server does not compute; "
+                  "drop echo or logprobs", "echo", "unsupported_parameter")
     stream, usage = _stream_flags(body)
-    return GenerateSpec(model, req, chat=False, stream=stream, include_usage=usage)
+    return GenerateSpec(model, req, chat=False, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs,
+                        echo=echo)
 
 
 def _content(m: dict, i: int) -> str:
@@ -229,8 +270,7 @@ def parse_chat(body: Any, served: ServedModel) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body, served)
-    _unsupported(body, {**_COMMON_UNSUPPORTED, "logprobs": (None, False), "top_logprobs": (None, 0),
-                        "tool_choice": (None, "none")})
+    _unsupported(body, {**_COMMON_UNSUPPORTED, "tool_choice": (None, "none")})
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list", "messages")
@@ -242,48 +282,12 @@ def parse_chat(body: Any, served: ServedModel) -> GenerateSpec:
         if role not in _CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}", f"messages[{i}].role")
         req.messages.messages.add(role=role, content=_content(m, i))
-    stream, usage = _stream_flags(body)
-    return GenerateSpec(model, req, chat=True, stream=stream, include_usage=usage)
-
-
-# -- responses ------------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def _finish(reason: str) -> str | None:
-    return reason or None
-
-
-def response_body(spec: GenerateSpec, rid: str, text: str, finish: str, use: dict) -> dict[str, Any]:
-    if spec.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": _finish(finish)}
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": spec.created, "model": spec.model,
-                "choices": [choice], "usage": use}
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish)}
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": spec.created, "model": spec.model,
-            "choices": [choice], "usage": use}
-
-
-def chunk_body(spec: GenerateSpec, rid: str, text: str, finish: str, first: bool) -> dict[str, Any]:
-    if spec.chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        out = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": spec.created,
-               "model": spec.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                 "finish_reason": _finish(finish)}]}
+    top = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS, f"between 0 and {MAX_CHAT_TOP_LOGPROBS}")
+    if _bool(body, "logprobs"):
+        logprobs = _ask_logprobs(req.sampling, top or 0)
+    elif top:
+        raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
-        out = {"id": f"cmpl-{rid}", "object": "text_completion", "created": spec.created, "model": spec.model,
-               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish)}]}
-    if spec.include_usage:
-        out["usage"] = None
-    return out
-
-
-def usage_chunk(spec: GenerateSpec, rid: str, use: dict) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
-    prefix, obj = ("chatcmpl", "chat.completion.chunk") if spec.chat else ("cmpl", "text_completion")
-    return {"id": f"{prefix}-{rid}", "object": obj, "created": spec.created, "model": spec.model, "choices": [],
-            "usage": use}
+        logprobs = None
+    stream, usage = _stream_flags(body)
+    return GenerateSpec(model, req, chat=True, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs)

@@ -100,3 +100,13 @@ class Registry:
 
     def find(self, name: str) -> Instance | None:
         return self.instances.get(name)
+
+    def resolve(self, name_or_address: str) -> Instance | None:
+        """The instance with this name, else the one registered at this address (HOST:PORT) — what an
+        operator reads off `mooncakectl status`. Several entries at one address (a restart under a new
+        name) resolve to the live one registered last."""
+        inst = self.instances.get(name_or_address)
+        if inst is not None:
+            return inst
+        at = [i for i in self.instances.values() if i.address == name_or_address]
+        return max(at, key=lambda i: (i.state != DEAD, i.registered_at), default=None)

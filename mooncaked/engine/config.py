@@ -184,3 +184,23 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be auto, flash or torch, got {self.attention_backend!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        check_device(self.device)
+
+
+def check_device(device: str) -> torch.device:
+    """The torch device `device` names, if this machine and this torch build can run on it."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise ConfigError(f"device {device!r}: this torch {torch.__version__} is built without CUDA; "
+                              "use --device cpu, or install a CUDA build of torch")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ConfigError(f"device {device!r}: no CUDA GPU is visible (check the driver and "
+                              "CUDA_VISIBLE_DEVICES), or use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
+    return dev

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from tokenizers import Tokenizer
 
 from mooncaked.engine.gguf_tokenizer import GGUFMeta, UnsupportedGGUFError, build_tokenizer
 
-__all__ = ["GGUFModel", "UnsupportedGGUFError", "convert_gguf", "is_converted", "read_gguf"]
+__all__ = ["BadGGUFError", "GGUFModel", "UnsupportedGGUFError", "convert_gguf", "is_converted", "read_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,35 @@ class GGUFModel:
     generation_config: dict[str, Any]
 
 
+class BadGGUFError(ValueError):
+    """The file is not readable GGUF: not GGUF at all, truncated (a download cut short) or corrupt."""
+
+
 def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
-    """Read a GGUF file into HF-named float32 tensors, an HF config and a tokenizer."""
-    reader = gguf.GGUFReader(path)
+    """Read a GGUF file into HF-named float32 tensors, an HF config and a tokenizer.
+
+    Every failure names the file: `BadGGUFError` when it cannot be read, `UnsupportedGGUFError`
+    when it is valid GGUF we cannot convert."""
+    path = Path(path)
+    with path.open("rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise BadGGUFError(f"{path} is not a GGUF file (it does not start with 'GGUF'): "
+                           "give 'default', an HF model folder or a .gguf file")
+    try:
+        reader = gguf.GGUFReader(path)
+        return _read(reader, path)
+    except UnsupportedGGUFError as e:
+        if str(path) in str(e):
+            raise
+        raise UnsupportedGGUFError(f"{path}: {e}") from e
+    except (ValueError, IndexError, KeyError, struct.error) as e:
+        # the header promises fields or tensor bytes the file does not hold
+        raise BadGGUFError(f"{path} ({path.stat().st_size} bytes) is truncated or corrupt: "
+                           "download it again") from e
+
+
+def _read(reader: gguf.GGUFReader, path: Path) -> GGUFModel:
     meta = GGUFMeta(reader)
     arch = _ARCHS.get(meta.arch)
     if arch is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mooncaked.engine.config import ModelConfig
+from mooncaked.engine.config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, devic
             kv_cache_bytes = DEFAULT_CPU_KV_BYTES
     n = kv_cache_bytes // bytes_per_block(cfg, block_size, dtype)
     if n < 1:
-        raise ValueError(
+        raise ConfigError(  # a ValueError: the user's setting
             f"kv_cache_bytes={kv_cache_bytes} holds no block of {bytes_per_block(cfg, block_size, dtype)} bytes; "
             "give more KV memory or a smaller block_size"
         )

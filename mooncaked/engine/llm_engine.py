@@ -25,7 +25,7 @@ from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
 from mooncaked.engine.model_runner import ModelRunner
-from mooncaked.engine.outputs import Output
+from mooncaked.engine.outputs import Output, TopLogprobs
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
 from mooncaked.engine.sequence import Sequence
@@ -78,6 +78,7 @@ class _FirstToken:
     req: _Request
     token: int
     logprob: float | None
+    top: TopLogprobs | None
 
 
 @dataclass
@@ -205,9 +206,13 @@ class Engine:
         return self._enqueue(seq, sink)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, blocks: list[int],
-                      params: SamplingParams, sink: Sink, first_logprob: float | None = None) -> str:
+                      params: SamplingParams, sink: Sink, first_logprob: float | None = None,
+                      first_top: TopLogprobs | None = None) -> str:
         """Continue a request whose prompt KV already sits in ``blocks`` (from ``reserve``) and whose
-        first token was sampled elsewhere: the decode side of disaggregation. Thread-safe."""
+        first token was sampled elsewhere: the decode side of disaggregation. Thread-safe.
+
+        ``first_logprob``/``first_top``: what the prefill's sampler said of that token, so the
+        stream's log-probs start with it."""
         params.validate()
         ids = self.tokenize(prompt_token_ids)
         if len(blocks) != self.block_manager.blocks_needed(len(ids)):
@@ -217,7 +222,7 @@ class Engine:
         req = self._make(seq, sink)
         # the first token goes out at once and may already end the request
         self._requests[seq.request_id] = req
-        self._inbox.append(_FirstToken(req, first_token, first_logprob))
+        self._inbox.append(_FirstToken(req, first_token, first_logprob, first_top))
         self._wake_if_driven()
         return request_id
 
@@ -295,7 +300,7 @@ class Engine:
             item = self._inbox.popleft()
             if isinstance(item, _FirstToken):
                 self.scheduler.add(item.req.seq)
-                self._append_token(item.req, item.token, item.logprob, outputs)
+                self._append_token(item.req, item.token, item.logprob, item.top, outputs)
             else:
                 self.scheduler.add(item.seq)
         while self._aborts:
@@ -316,7 +321,8 @@ class Engine:
         self._steps += 1
         self._record(plan.scheduled, result.seconds)
         for s in plan.scheduled:
-            self._apply(s, result.tokens.get(s.seq.request_id), result.logprobs.get(s.seq.request_id), outputs)
+            rid = s.seq.request_id
+            self._apply(s, result.tokens.get(rid), result.logprobs.get(rid), result.top_logprobs.get(rid), outputs)
         return outputs
 
     def _record(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
@@ -337,7 +343,8 @@ class Engine:
             out.append(self.step_log.popleft())
         return out
 
-    def _apply(self, s: ScheduledSeq, token: int | None, logprob: float | None, outputs: list[Output]) -> None:
+    def _apply(self, s: ScheduledSeq, token: int | None, logprob: float | None, top: TopLogprobs | None,
+               outputs: list[Output]) -> None:
         seq = s.seq
         prompt_left = max(0, len(seq.prompt_token_ids) - seq.num_computed_tokens)
         self._prefill_tokens += min(prompt_left, s.num_new_tokens)
@@ -348,14 +355,17 @@ class Engine:
         req = self._requests[seq.request_id]
         if not seq.output_token_ids:
             self._cached_tokens += seq.num_cached_tokens
-        self._append_token(req, token, logprob, outputs)
+        self._append_token(req, token, logprob, top, outputs)
 
-    def _append_token(self, req: _Request, token: int, logprob: float | None, outputs: list[Output]) -> None:
+    def _append_token(self, req: _Request, token: int, logprob: float | None, top: TopLogprobs | None,
+                      outputs: list[Output]) -> None:
         seq = req.seq
         seq.output_token_ids.append(token)
         self._decode_tokens += 1
         if logprob is not None:
             seq.logprobs.append(logprob)
+        if top is not None:
+            seq.top_logprobs.append(top)
         reason = None
         hit_stop = req.detok.add(seq.output_token_ids)
         if token in seq.stop_ids or hit_stop:
@@ -378,6 +388,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
             compute_s=seq.compute_s,
             new_token_ids=new_ids,
             new_text=req.detok.take_delta(final=seq.finished),

@@ -29,13 +29,22 @@ def resolve_model_dir(model: str | Path | None, cache_dir: Path | None = None) -
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {str(model)!r} not found: give 'default', an HF folder or a .gguf file")
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file():
+        if path.suffix != ".gguf" and not _starts_with_gguf_magic(path):
+            raise ConfigError(f"model {str(model)!r} is a file but not a .gguf model: give 'default', "
+                              "an HF folder (config.json + *.safetensors) or a .gguf file")
         from mooncaked.engine.default_model import cached_conversion
 
         return cached_conversion(path, cache_dir)
     if not (path / "config.json").is_file():
-        raise ConfigError(f"{path} has no config.json: is it an HF model folder?")
+        raise ConfigError(f"model {str(model)!r} has no config.json: give 'default', "
+                          "an HF folder (config.json + *.safetensors) or a .gguf file")
     return path
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(4) == b"GGUF"
 
 
 def read_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
@@ -45,7 +54,10 @@ def read_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         raise ConfigError(f"{model_dir / 'config.json'} is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{model_dir / 'config.json'} must hold a JSON object")
-    return ModelConfig.from_hf(raw), raw
+    try:
+        return ModelConfig.from_hf(raw), raw
+    except ConfigError as e:
+        raise ConfigError(f"model {model_dir}: {e}") from e
 
 
 def _checkpoint_tensors(model_dir: Path):
@@ -53,7 +65,11 @@ def _checkpoint_tensors(model_dir: Path):
     if not files:
         raise ConfigError(f"{model_dir} has no *.safetensors weights")
     for f in files:
-        with safe_open(f, framework="pt") as st:
+        try:
+            st = safe_open(f, framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+            raise ConfigError(f"{f} is not a readable safetensors file ({e}): download it again") from e
+        with st:
             for name in st.keys():
                 yield name, st.get_tensor(name)
 

@@ -17,7 +17,8 @@ from mooncaked.engine.config import EngineConfig, ModelConfig
 from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
-from mooncaked.engine.sampler import sample
+from mooncaked.engine.outputs import TopLogprobs
+from mooncaked.engine.sampler import History, sample
 from mooncaked.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class StepResult:
     seconds: float
     num_tokens: int
     all_logits: dict[str, torch.Tensor]
+    top_logprobs: dict[str, TopLogprobs]
 
 
 class ModelRunner:
@@ -68,6 +70,7 @@ class ModelRunner:
         samplers = [s for s in batch if s.samples]
         tokens: dict[str, int] = {}
         logprobs: dict[str, float] = {}
+        tops: dict[str, TopLogprobs] = {}
         if samplers:
             last = torch.tensor(
                 [i for i, s in zip(meta.cu_seqlens_q[1:].tolist(), batch) if s.samples], device=self.device
@@ -78,17 +81,22 @@ class ModelRunner:
             # min_tokens: the (EOS and model-specific) stop ids cannot be chosen yet
             banned = [(s.seq.stop_ids | self.eos_token_ids) if len(s.seq.output_token_ids) < s.seq.params.min_tokens
                       else None for s in samplers]
-            ids, lps = sample(logits, params, gens, banned)
+            histories = [History(s.seq.prompt_token_ids, s.seq.output_token_ids) if s.seq.params.penalized
+                         else None for s in samplers]
+            out = sample(logits, params, gens, banned, histories)
             for k, s in enumerate(samplers):
-                tokens[s.seq.request_id] = ids[k]
-                if lps is not None:
-                    logprobs[s.seq.request_id] = lps[k]
+                rid = s.seq.request_id
+                tokens[rid] = out.token_ids[k]
+                if out.logprobs is not None and out.logprobs[k] is not None:
+                    logprobs[rid] = out.logprobs[k]
+                if out.top_logprobs is not None and out.top_logprobs[k] is not None:
+                    tops[rid] = out.top_logprobs[k]
         full: dict[str, torch.Tensor] = {}
         if all_logits:
             bounds = meta.cu_seqlens_q.tolist()
             for k, s in enumerate(batch):
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
-        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full)
+        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops)
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size

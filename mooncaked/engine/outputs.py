@@ -5,9 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely next tokens at one position, most likely first, with their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 @dataclass
 class Output:
-    """A request's result so far. In a stream, ``new_token_ids``/``new_text`` hold the delta."""
+    """A request's result so far. In a stream, ``new_token_ids``/``new_text`` hold the delta.
+
+    ``logprobs[i]`` is the log-prob of ``token_ids[i]``; ``top_logprobs[i]`` the ``top_logprobs``
+    most likely tokens at that position (both only when the request asked for them).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -16,6 +28,7 @@ class Output:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
     compute_s: float = 0.0  # engine step time of the steps this request took part in
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API: the sampler's top-k of the log-probs is cheap, a long list is not
 
 
 class RequestError(ValueError):
@@ -21,7 +24,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the sampled token's log-prob (of the raw model distribution: see sampler.py)
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens and their log-probs
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token already generated once or more
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was generated
+    repetition_penalty: float = 1.0  # HF/vLLM: prompt and generated tokens' logits shrink by this factor
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -48,7 +55,27 @@ class SamplingParams:
             raise RequestError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=True")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change with the tokens seen so far (the sampler then needs them)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

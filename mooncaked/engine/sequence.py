@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.engine.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache on first admission
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     admitted_once: bool = False

@@ -1,7 +1,12 @@
 """`mooncaked --role all`: a whole cluster on one machine — conductor, store master, one prefill
 and one decode — as supervised child processes started with ``spawn`` (no fork: the KV
 pools are large and copy-on-write faults would dominate). A child that dies takes the
-cluster down (systemd restarts it); SIGTERM drains every child."""
+cluster down (systemd restarts it); SIGTERM drains every child.
+
+What it prints is true when printed: "conductor on ..." once the conductor child accepts on
+both fronts (it says so over a private notify socket, systemd's protocol), from which moment
+a request waits for the engines rather than failing (conductor/readiness.py); "cluster
+ready" once a prefill and a decode serve, which is also when systemd hears READY=1."""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import re
 import socket
+import sys
 import time
+from pathlib import Path
 
 from mooncaked.config import (AllConfig, ConductorConfig, DecodeConfig, HostPort, PrefillConfig, RoleConfig,
                               StoreConfig)
@@ -34,35 +42,82 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     def make(cls: type[RoleConfig], **over) -> RoleConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
-        values.update({"name": "", **over})
+        # the parent serves --metrics; the conductor's own are on its HTTP port
+        values.update({"name": "", "metrics": None, **over})
         return cls(**values)
+
+    def engine(cls: type[RoleConfig], role: str, **over) -> RoleConfig:
+        """Two engines cannot share a data-plane port or an LMDB folder: any port, a folder each."""
+        lmdb = str(Path(cfg.store_lmdb_path) / role) if cfg.store_lmdb_path else None
+        return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
+                    transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_lmdb_path=lmdb, **over)
 
     conductor = HostPort(host, cfg.listen.port)
     store = cfg.store or HostPort(host, free_port(host))
     out: list[RoleConfig] = [make(ConductorConfig, role="conductor", listen=conductor, store=store)]
     if cfg.store is None:
         out.append(make(StoreConfig, role="store", listen=store))
-    # engines bind any free port and register the one they got: no port can be taken between pick and bind
-    out.append(make(PrefillConfig, role="prefill", listen=HostPort(host, 0), conductor=conductor, store=store,
-                    store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM, name=f"prefill-{host}"))
-    out.append(make(DecodeConfig, role="decode", listen=HostPort(host, 0), conductor=conductor, store=store,
-                    name=f"decode-{host}"))
+    # engines bind any free port and register the one they got: no port can be taken between pick and bind;
+    # they name themselves ROLE-HOST-PORT after that port, as every instance without --name does
+    out.append(engine(PrefillConfig, "prefill", store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
+    out.append(engine(DecodeConfig, "decode"))
     return out
 
 
-def _child_main(cfg: RoleConfig) -> None:
+def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
     from mooncaked.cli import run_role
 
-    os.environ.pop("NOTIFY_SOCKET", None)  # only the `all` process speaks to systemd
+    # only the `all` process speaks to systemd; the conductor tells it (``notify``) when it accepts
+    if notify:
+        os.environ["NOTIFY_SOCKET"] = notify
+    else:
+        os.environ.pop("NOTIFY_SOCKET", None)
 
     raise SystemExit(run_role(cfg, parent_pid=os.getppid()))
 
 
+def _parent_socket() -> tuple[socket.socket, str]:
+    """The datagram socket children talk to the parent on: the conductor's systemd-style READY=1
+    (as its NOTIFY_SOCKET, spelled with '@') and any child's one-line startup error."""
+    from mooncaked.startup import parent_socket_name
+
+    name = parent_socket_name(os.getpid())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(name)
+    sock.setblocking(False)
+    return sock, "@" + name[1:]
+
+
+async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future) -> None:
+    """Resolve ``conductor_ready`` with the conductor's READY=1 fields; print the first child's
+    error line (later ones are the cluster stopping, not news)."""
+    from mooncaked.startup import CHILD_ERROR
+
+    loop = asyncio.get_running_loop()
+    told_error = False
+    while True:
+        data = (await loop.sock_recv(sock, 4096)).decode(errors="replace")
+        if data.startswith(CHILD_ERROR + "="):
+            if not told_error:
+                print(data.removeprefix(CHILD_ERROR + "="), file=sys.stderr, flush=True)
+                told_error = True
+            continue
+        fields = dict(line.split("=", 1) for line in data.splitlines() if "=" in line)
+        if fields.get("READY") == "1" and not conductor_ready.done():
+            conductor_ready.set_result(fields)
+
+
 async def run_all_role(cfg: AllConfig) -> int:
     ctx = multiprocessing.get_context("spawn")
+    from mooncaked.tasks import spawn
+
+    notify, notify_at = _parent_socket()
+    conductor_ready: asyncio.Future = asyncio.get_running_loop().create_future()
+    hearing = spawn(_hear_children(notify, conductor_ready), "hear-children")
     children = []
     for child in child_configs(cfg):
-        p = ctx.Process(target=_child_main, args=(child,), name=f"mooncaked-{child.role}", daemon=False)
+        told = notify_at if child.role == "conductor" else None
+        p = ctx.Process(target=_child_main, args=(child, told), name=f"mooncaked-{child.role}", daemon=False)
         p.start()
         children.append((child, p))
     from mooncaked.rpc import sd_notify
@@ -73,21 +128,27 @@ async def run_all_role(cfg: AllConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    conductor = f"{cfg.listen.host}:{cfg.listen.port}"
-    print(f"mooncaked all: conductor on {conductor} ({len(children)} processes, model {cfg.model})\n"
-          f"  try: mooncakectl --conductor {conductor} status\n"
-          f"       mooncakectl --conductor {conductor} generate \"What is the capital of France?\"",
-          flush=True)
-    ready = await _wait_ready(conductor, stopping, children)
-    if ready:
-        print("mooncaked all: cluster ready", flush=True)
-        sd_notify("READY=1")
+    conductor = str(HostPort(cfg.listen.host, cfg.listen.port))
+    told = await _conductor_accepting(conductor_ready, stopping, children)
+    if told is not None:
+        m = re.search(r"HTTP on (\S+)", told.get("STATUS", ""))
+        http = m.group(1) if m else str(cfg.http)
+        print(f"mooncaked all: conductor on {conductor}, HTTP on {http} ({len(children)} processes, model "
+              f"{cfg.model}); requests wait until a prefill and a decode are ready\n"
+              f"  try: mooncakectl --conductor {conductor} status\n"
+              f"       mooncakectl --conductor {conductor} generate \"What is the capital of France?\"",
+              flush=True)
+        ready = await _wait_ready(conductor, stopping, children)
+        if ready is not None:
+            names = ", ".join(f"{i.name} at {i.address}" for i in ready.instances)
+            print(f"mooncaked all: cluster ready ({names})", flush=True)
+            sd_notify("READY=1")
     code = 0
     while not stopping.is_set():
         dead = [(c, p) for c, p in children if not p.is_alive()]
-        if dead:
-            for c, p in dead:
-                log.error("%s process exited with code %s; stopping the cluster", c.role, p.exitcode)
+        if dead:  # the first one's own line (on our stderr) says why; one more line says which
+            c, p = dead[0]
+            log.error("the %s process exited with code %s; stopping the cluster", c.role, p.exitcode)
             code = 1
             break
         try:
@@ -105,11 +166,27 @@ async def run_all_role(cfg: AllConfig) -> int:
             log.error("%s did not stop; killing it", c.role)
             p.kill()
             p.join()
+    await asyncio.sleep(0)  # a last child's error line, if one is on its way, is printed before we go
+    hearing.cancel()
+    notify.close()
     return code
 
 
-async def _wait_ready(conductor: str, stopping: asyncio.Event, children) -> bool:
-    """Until the conductor reports a serving prefill and decode instance."""
+async def _conductor_accepting(conductor_ready: asyncio.Future, stopping: asyncio.Event,
+                               children) -> dict[str, str] | None:
+    """Until the conductor child sends READY=1 (both its fronts accept): its fields (STATUS says where)."""
+    while not stopping.is_set():
+        if any(not p.is_alive() for _, p in children):
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(conductor_ready), 0.5)
+        except asyncio.TimeoutError:
+            continue
+    return None
+
+
+async def _wait_ready(conductor: str, stopping: asyncio.Event, children):
+    """Until the conductor reports a serving prefill and decode instance: its Status reply, or None."""
     import grpc
 
     from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
@@ -119,14 +196,14 @@ async def _wait_ready(conductor: str, stopping: asyncio.Event, children) -> bool
         start = time.monotonic()
         while not stopping.is_set():
             if any(not p.is_alive() for _, p in children):
-                return False
+                return None
             try:
-                st = await stub.Status(conductor_pb2.StatusRequest(), timeout=2)
+                st = await stub.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=2)
                 roles = {i.role for i in st.instances if i.state == 2}
                 if len(roles) >= 2:
                     log.info("cluster ready after %.1fs", time.monotonic() - start)
-                    return True
+                    return st
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(0.5)
-    return False
+    return None

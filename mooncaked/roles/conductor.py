@@ -15,6 +15,8 @@ import grpc
 
 from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
+from mooncaked.conductor.readiness import ReadyGate
+from mooncaked.conductor.status import ConductorFacts, StoreProbe, conductor_info, instance_infos
 from mooncaked.conductor.registry import DEAD, Instance, Registry
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.early_rejection import SLO
@@ -35,13 +37,12 @@ DECODE_TIMEOUT_S = 3600.0
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.CANCELLED}
 _ROLE_NAMES = {common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode"}
-_ROLE_ENUMS = {v: k for k, v in _ROLE_NAMES.items()}
 
 
 class ConductorService(conductor_pb2_grpc.ConductorServicer):
     def __init__(self, tokenizer: Tokenizer, model_config: ModelConfig, model_id: str, block_size: int,
                  hash_seed: int, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 scheduler: SchedulerState | None = None) -> None:
+                 scheduler: SchedulerState | None = None, ready_timeout_s: float = 0.0) -> None:
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.model_id = model_id
@@ -54,6 +55,10 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         # the routing policy and its online time models (fed by heartbeats and Prefill replies)
         self.scheduler = scheduler or SchedulerState(make_policy("mooncake"))
         self.started = time.monotonic()
+        # requests wait for a serving prefill and decode while the cluster starts (readiness.py)
+        self.gate = ReadyGate(ready_timeout_s)
+        self.facts = ConductorFacts(ready_timeout_s=ready_timeout_s)  # filled in once the servers listen
+        self.store: StoreProbe | None = None  # the store master whose figures Status shows
 
     # -- membership -----------------------------------------------------------------------
     async def Register(self, request, context):
@@ -79,12 +84,14 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         self.scheduler.forget(request.name)
         self.registry.register(Instance(request.name, role, request.address, request.model_id, layout,
                                         request.transfer))
+        self.gate.note(self.registry)
         return conductor_pb2.RegisterReply(heartbeat_interval_s=self.heartbeat_interval_s)
 
     async def Heartbeat(self, request, context):
         inst = self.registry.heartbeat(request.name, request.load, request.state)
         if inst is None:
             return conductor_pb2.HeartbeatReply(known=False)
+        self.gate.note(self.registry)
         for sample in request.decode_samples:
             self.scheduler.observe_decode(request.name, sample.batch, sample.context_tokens, sample.seconds)
         for e in request.events:
@@ -104,18 +111,20 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         return conductor_pb2.DeregisterReply(known=inst is not None)
 
     async def SetDrain(self, request, context):
-        inst = self.registry.find(request.name)
+        inst = self.registry.resolve(request.name)
         if inst is None:
-            known = ", ".join(sorted(self.registry.instances)) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no instance named {request.name!r} (known: {known})")
+            known = ", ".join(f"{i.name} at {i.address}" for i in self.registry.instances.values()) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no instance named or at {request.name!r} (known: {known})")
         inst.drained_by_operator = request.drain
         try:
             reply = await inst.stub.Drain(engine_pb2.DrainRequest(drain=request.drain), timeout=RPC_TIMEOUT_S)
             inst.state = reply.state
         except grpc.aio.AioRpcError as e:
             log.warning("could not tell %s to drain: %s", inst.name, e.code().name)
+        self.gate.note(self.registry)
         state = common_pb2.INSTANCE_STATE_DRAINING if request.drain else inst.state
-        return conductor_pb2.SetDrainReply(state=state)
+        return conductor_pb2.SetDrainReply(state=state, name=inst.name)
 
     async def sweep_forever(self) -> None:
         while True:
@@ -127,16 +136,15 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
                     self.index.drop_instance(name)
 
     async def Status(self, request, context):
-        now = time.monotonic()
-        infos = [
-            conductor_pb2.InstanceInfo(
-                name=i.name, role=_ROLE_ENUMS[i.role], address=i.address,
-                state=common_pb2.INSTANCE_STATE_DRAINING if i.drained_by_operator and i.state != DEAD else i.state,
-                load=i.load, uptime_s=now - i.registered_at, last_heartbeat_age_s=now - i.last_heartbeat,
-                model_id=i.model_id)
-            for i in sorted(self.registry.instances.values(), key=lambda i: (i.role, i.name))
-        ]
-        return conductor_pb2.StatusReply(instances=infos, model_id=self.model_id, uptime_s=now - self.started)
+        """The cluster's one screen (conductor/status.py); the store master's figures are asked for
+        with a short deadline and show as unreachable when they do not come."""
+        reply = conductor_pb2.StatusReply(
+            instances=instance_infos(self.registry), model_id=self.model_id,
+            uptime_s=time.monotonic() - self.started,
+            conductor=conductor_info(self.facts, self.gate.state(self.registry)))
+        if self.store is not None:
+            reply.store.CopyFrom(await self.store.info(with_stats=not request.without_pool_stats))
+        return reply
 
     # -- the request path -----------------------------------------------------------------
     def tokenize(self, request: conductor_pb2.GenerateRequest) -> list[int]:
@@ -191,14 +199,16 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
             hashes = block_hashes(ids, self.block_size, self.hash_seed)
             route_p, route_d, reply = await self._prefill(context, rid, ids, params, hashes)
             call = route_d.stub.Decode(engine_pb2.DecodeRequest(request_id=rid, first_token_id=reply.first_token_id,
-                                                                first_logprob=reply.first_logprob),
+                                                                first_logprob=reply.first_logprob,
+                                                                first_top_logprobs=reply.first_top_logprobs),
                                        timeout=DECODE_TIMEOUT_S)
             first = True
             route_d.inflight += 1
             try:
                 async for chunk in call:
                     out = conductor_pb2.GenerateChunk(token_ids=chunk.token_ids, text=chunk.text,
-                                                      finish_reason=chunk.finish_reason, logprobs=chunk.logprobs)
+                                                      finish_reason=chunk.finish_reason, logprobs=chunk.logprobs,
+                                                      top_logprobs=chunk.top_logprobs)
                     if first:
                         out.request_id = rid
                         out.prompt_tokens = len(ids)
@@ -232,6 +242,7 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         reserved = None
         last_error = ""
         sampling = sampling_to_proto(params)
+        await self._wait_until_ready(context)
         for _ in range(MAX_ATTEMPTS):
             try:
                 route = pick(self.registry, self.index, hashes, len(ids), tried, state=self.scheduler,
@@ -302,6 +313,20 @@ class ConductorService(conductor_pb2_grpc.ConductorServicer):
         await self._release(decode, rid, reserved)
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"gave up after {MAX_ATTEMPTS} attempts: {last_error}")
 
+    async def _wait_until_ready(self, context) -> None:
+        """While the cluster starts (no prefill and decode have served yet, and the conductor is
+        younger than ready_timeout_s), wait for them instead of refusing: bounded by the window and
+        by the request's own deadline (gRPC's; the HTTP front has none). After the window routing
+        answers UNAVAILABLE at once, as it does when a ready cluster loses its instances."""
+        if not self.gate.starting():
+            return
+        time_left = getattr(context, "time_remaining", None)
+        limit = time_left() if callable(time_left) else None
+        if not await self.gate.wait(limit) and self.gate.starting():
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "the cluster is still starting: no prefill and decode instance served "
+                                "before the request's deadline")
+
     async def _release(self, decode: Instance | None, rid: str, reserved) -> None:
         if decode is None or reserved is None:
             return
@@ -332,7 +357,8 @@ async def run_conductor_role(cfg) -> int:
         slo = SLO(cfg.ttft_slo_s or float("inf"), cfg.tbt_slo_s or float("inf"))
     policy = make_policy(cfg.policy, slo=slo, kvcache_balancing_threshold=cfg.kvcache_balancing_threshold)
     service = ConductorService(Tokenizer(model_dir), model_config, model_dir.name, cfg.block_size, cfg.hash_seed,
-                               cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, SchedulerState(policy))
+                               cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, SchedulerState(policy),
+                               ready_timeout_s=cfg.ready_timeout_s)
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Conductor"])
     conductor_pb2_grpc.add_ConductorServicer_to_server(service, server.server)
     port = await server.start()
@@ -344,7 +370,9 @@ async def run_conductor_role(cfg) -> int:
                                            cfg.drain_timeout_s)
     except OSError as e:
         await server.stop(0)
-        raise OSError(f"cannot serve HTTP on {cfg.http}: {e.strerror or e}; pick another --http address") from e
+        from mooncaked.startup import bind_error
+
+        raise bind_error("--http", cfg.http, e) from e
     sweeper = spawn(service.sweep_forever(), "sweep")
     pool_watch = watcher = None
     if cfg.store is not None:
@@ -353,11 +381,19 @@ async def run_conductor_role(cfg) -> int:
         pool_watch = PoolWatch(str(cfg.store), service.model_id, service.index)
         service.watches_pool = True
         watcher = spawn(pool_watch.run(), "pool-watch")
+        service.store = StoreProbe(str(cfg.store))  # its figures for Status
     server.install_signal_handlers()
     http_at = str(HostPort(cfg.http.host, http_port))
-    print(f"mooncaked conductor {cfg.name}: gRPC on {cfg.listen.host}:{port}, HTTP on {http_at}, "
+    grpc_at = str(HostPort(cfg.listen.host, port))
+    service.facts = ConductorFacts(address=str(HostPort(cfg.advertise_address.host, port)),
+                                   http_address=str(HostPort(cfg.advertise_address.host, http_port)),
+                                   policy=cfg.policy, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
+                                   ready_timeout_s=cfg.ready_timeout_s)
+    print(f"mooncaked conductor {cfg.instance_name(port)}: gRPC on {grpc_at}, HTTP on {http_at}, "
           f"model {model_dir.name}, KV pool {cfg.store or 'none'}", flush=True)
-    sd_notify("READY=1")
+    # both fronts accept now (requests wait for engines while the cluster starts); STATUS tells
+    # `--role all` (and systemctl status) where
+    sd_notify(f"READY=1\nSTATUS=gRPC on {grpc_at}, HTTP on {http_at}")
     await server.stopping.wait()
     sd_notify("STOPPING=1")
     sweeper.cancel()
@@ -370,4 +406,6 @@ async def run_conductor_role(cfg) -> int:
             await inst.channel.close()
     if pool_watch is not None:
         await pool_watch.close()
+    if service.store is not None:
+        await service.store.close()
     return 0

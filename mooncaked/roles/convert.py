@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mooncaked.engine import EngineStats, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.proto.mooncake.v1 import common_pb2
 
 
@@ -20,6 +21,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int = 
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
@@ -28,11 +33,22 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     p = common_pb2.SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-        skip_special_tokens=s.skip_special_tokens,
+        skip_special_tokens=s.skip_special_tokens, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
     )
     if s.seed is not None:
         p.seed = s.seed
+    if s.repetition_penalty != 1:
+        p.repetition_penalty = s.repetition_penalty
     return p
+
+
+def top_to_proto(top: TopLogprobs) -> common_pb2.TopLogprobs:
+    return common_pb2.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def top_from_proto(p: common_pb2.TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(list(p.token_ids), list(p.logprobs))
 
 
 def load_to_proto(s: EngineStats, queued_prefill_tokens: int = 0) -> common_pb2.InstanceLoad:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_gr
 from mooncaked.roles.convert import layout_to_proto
 from mooncaked.roles.kv_push import KV_REGION
 from mooncaked.roles.membership import Membership
+from mooncaked.roles.pool_cache import PoolCache
 from mooncaked.rpc import RoleServer, sd_notify
+from mooncaked.startup import listening
 from mooncaked.tasks import spawn
 from mooncaked.roles.worker import WorkerService
 from mooncaked.transfer import TransferEngine
@@ -35,13 +38,20 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     engine = await loop.run_in_executor(
         None, lambda: Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n)))
     engine.start_driver(loop)
-    await transfer.start()
-    store = await _start_store_client(cfg, transfer) if cfg.store is not None else None
-    service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push, store)
+    with listening("--transfer-listen", cfg.transfer_listen):
+        await transfer.start()
+    service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push)
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"])
     engine_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     port = await server.start()
     address = f"{cfg.advertise_address.host}:{port}"
+    # one naming rule in every mode: --name, else ROLE-HOST-PORT with the port just bound (--listen
+    # HOST:0, as under --role all, learns it only now); the pool's segments are named after it too
+    cfg = dataclasses.replace(cfg, name=cfg.instance_name(port))
+    service.name = cfg.name
+    store = await _start_store_client(cfg, transfer) if cfg.store is not None else None
+    if store is not None:
+        service.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
 
     def register() -> conductor_pb2.RegisterRequest:
@@ -91,7 +101,10 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
 
 
 async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
-    """Join the KV pool; a store master that stays unreachable leaves us serving without it."""
+    """Join the KV pool; a store master that stays unreachable leaves us serving without it.
+
+    Not fatal: a cluster's processes start in any order, so the master may come up after us.
+    One warning says so (naming --store); the rest of the retries are quiet."""
     from mooncaked.store import StoreClient, StoreClientConfig, StoreError
 
     store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer)
@@ -102,6 +115,9 @@ async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
                      cfg.store_dram_bytes, cfg.store_lmdb_path or "none")
             return store
         except StoreError as e:
+            if attempt == 0:
+                log.warning("store master %s (--store) is not reachable yet (%s); retrying for 30s, then serving "
+                            "without the KV pool", cfg.store, e)
             if attempt == 29:
                 log.error("store master %s unreachable (%s); serving without the KV pool", cfg.store, e)
             await asyncio.sleep(1.0)

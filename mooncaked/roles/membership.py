@@ -29,6 +29,7 @@ class Membership:
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.registered = False
         self._pending_events: list[common_pb2.KVEvent] = []
+        self._warned = False
 
     async def run(self) -> None:
         while True:
@@ -37,8 +38,12 @@ class Membership:
             except grpc.aio.AioRpcError as e:
                 if self.registered:
                     log.warning("heartbeat to %s failed: %s", self.conductor, e.code().name)
+                elif not self._warned:  # once: a conductor that starts after us, or restarts, is normal
+                    self._warned = True
+                    log.warning("conductor %s (--conductor) is not reachable yet (%s); retrying until it is",
+                                self.conductor, e.code().name)
                 else:
-                    log.info("conductor %s not reachable yet (%s)", self.conductor, e.code().name)
+                    log.debug("conductor %s not reachable yet (%s)", self.conductor, e.code().name)
             await asyncio.sleep(self.interval_s)
 
     async def _beat(self) -> None:

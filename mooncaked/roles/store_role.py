@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from mooncaked.config import StoreConfig, StorePolicyConfig
+from mooncaked.config import HostPort, StoreConfig, StorePolicyConfig
 from mooncaked.rpc import sd_notify
+from mooncaked.startup import listening
 from mooncaked.store.records import Policy
 from mooncaked.store.service import MasterRunner
 
@@ -21,11 +22,13 @@ def policy_of(cfg: StorePolicyConfig) -> Policy:
 async def run_store_role(cfg: StoreConfig) -> int:
     fast_port = None if cfg.store_fast_path_port < 0 else cfg.store_fast_path_port
     runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port)
-    port = await runner.start()
+    # gRPC's bind names --listen itself; an OSError here is the fast path's port (the process then exits)
+    with listening("--store-fast-path-port", HostPort(cfg.listen.host, cfg.store_fast_path_port)):
+        port = await runner.start()
     runner.server.install_signal_handlers()
     address = f"{cfg.advertise_address.host}:{port}"
     fast = runner.service.fast_path_port
-    print(f"mooncaked store {cfg.name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
+    print(f"mooncaked store {cfg.instance_name(port)}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
           f"fast path {f'on port {fast}' if fast else 'off'})", flush=True)
     sd_notify("READY=1")
     await runner.server.stopping.wait()

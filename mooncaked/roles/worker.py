@@ -20,7 +20,8 @@ from mooncaked.engine import Engine, Output, RequestError, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.llm_engine import StepSeq
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from mooncaked.roles.convert import layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto
+from mooncaked.roles.convert import (layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto,
+                                     top_from_proto, top_to_proto)
 from mooncaked.roles.kv_push import KV_REGION, KVPush
 from mooncaked.roles.pool_cache import PoolCache
 from mooncaked.transfer import TransferEngine, TransferError
@@ -125,18 +126,22 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         finished = False
         try:
             try:
+                first_top = (top_from_proto(request.first_top_logprobs)
+                             if res.params.top_logprobs and request.HasField("first_top_logprobs") else None)
                 self.engine.add_prefilled(request.request_id, res.prompt, request.first_token_id, res.blocks,
                                           res.params, lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
-                                          request.first_logprob if res.params.logprobs else None)
+                                          request.first_logprob if res.params.logprobs else None, first_top)
             except RequestError as e:
                 await self.engine.call(self.engine.unreserve, res.blocks)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             while not finished:
                 out = await queue.get()
                 finished = out.finished
-                lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else []
+                n = len(out.new_token_ids)
+                lps = out.logprobs[-n:] if out.logprobs and n else []
+                tops = [top_to_proto(t) for t in out.top_logprobs[-n:]] if out.top_logprobs and n else []
                 yield engine_pb2.TokenChunk(token_ids=out.new_token_ids, text=out.new_text, logprobs=lps,
-                                            finish_reason=out.finish_reason or "")
+                                            top_logprobs=tops, finish_reason=out.finish_reason or "")
         finally:
             self.inflight -= 1
             if not finished:  # the caller went away: stop and free the blocks
@@ -196,6 +201,7 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
             if self.pool is not None:
                 self.pool.write_back(prompt, push.block_table, len(imported))
             token = out.token_ids[0]
+            top = top_to_proto(out.top_logprobs[0]) if out.top_logprobs else None
             # the request ends here only if the first token ends it for the *real* limits
             finished = out.finish_reason == "stop" or params.max_tokens == 1
             return engine_pb2.PrefillReply(
@@ -203,7 +209,7 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 num_cached_tokens=out.num_cached_tokens,
                 num_computed_tokens=len(prompt) - out.num_cached_tokens,
                 finished=finished, finish_reason=(out.finish_reason or "") if finished else "",
-                compute_s=out.compute_s, push_bytes=push.bytes_sent, push_s=push.seconds,
+                compute_s=out.compute_s, push_bytes=push.bytes_sent, push_s=push.seconds, first_top_logprobs=top,
             )
         finally:
             self.pushes.pop(rid, None)

@@ -138,7 +138,9 @@ class FastPathServer:
 
     async def start(self, host: str, port: int = 0, unix: bool = True) -> int:
         loop = asyncio.get_running_loop()
-        tcp = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, backlog=256)
+        # SO_REUSEADDR only (restart past TIME_WAIT); never SO_REUSEPORT: one port, one listener
+        tcp = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, reuse_port=False,
+                                       backlog=256)
         self._servers.append(tcp)
         self.port = tcp.sockets[0].getsockname()[1]
         if unix and sys.platform == "linux":

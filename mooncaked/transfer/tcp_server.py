@@ -273,8 +273,9 @@ class TcpServer:
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
+        # SO_REUSEADDR only (restart past TIME_WAIT); never SO_REUSEPORT: one port, one listener
         self._server = await loop.create_server(
-            lambda: ServerConnection(self), host, port, reuse_address=True, backlog=256
+            lambda: ServerConnection(self), host, port, reuse_address=True, reuse_port=False, backlog=256
         )
         sockname = self._server.sockets[0].getsockname()
         return sockname[0], sockname[1]

@@ -44,7 +44,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., raw: _Optional[bool] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "num_cached_tokens", "logprobs", "prefill_instance", "decode_instance", "request_id")
+    __slots__ = ("token_ids", "text", "finish_reason", "prompt_tokens", "num_cached_tokens", "logprobs", "prefill_instance", "decode_instance", "request_id", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class GenerateChunk(_message.Message):
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -63,11 +64,14 @@ class GenerateChunk(_message.Message):
     prefill_instance: str
     decode_instance: str
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., request_id: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("without_pool_stats",)
+    WITHOUT_POOL_STATS_FIELD_NUMBER: _ClassVar[int]
+    without_pool_stats: bool
+    def __init__(self, without_pool_stats: _Optional[bool] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("name", "role", "address", "state", "load", "uptime_s", "last_heartbeat_age_s", "model_id")
@@ -89,15 +93,81 @@ class InstanceInfo(_message.Message):
     model_id: str
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., uptime_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., model_id: _Optional[str] = ...) -> None: ...
 
+class ConductorInfo(_message.Message):
+    __slots__ = ("address", "http_address", "policy", "ttft_slo_s", "tbt_slo_s", "requests_in_flight", "rejections", "state", "ready_timeout_s")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    TBT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    READY_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    http_address: str
+    policy: str
+    ttft_slo_s: float
+    tbt_slo_s: float
+    requests_in_flight: int
+    rejections: int
+    state: str
+    ready_timeout_s: float
+    def __init__(self, address: _Optional[str] = ..., http_address: _Optional[str] = ..., policy: _Optional[str] = ..., ttft_slo_s: _Optional[float] = ..., tbt_slo_s: _Optional[float] = ..., requests_in_flight: _Optional[int] = ..., rejections: _Optional[int] = ..., state: _Optional[str] = ..., ready_timeout_s: _Optional[float] = ...) -> None: ...
+
+class TierUse(_message.Message):
+    __slots__ = ("medium", "segments", "used", "capacity", "objects")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    segments: int
+    used: int
+    capacity: int
+    objects: int
+    def __init__(self, medium: _Optional[str] = ..., segments: _Optional[int] = ..., used: _Optional[int] = ..., capacity: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+
+class StoreInfo(_message.Message):
+    __slots__ = ("address", "reachable", "error", "epoch", "segments", "objects", "tiers", "hits", "misses", "evictions", "clients")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    reachable: bool
+    error: str
+    epoch: int
+    segments: int
+    objects: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierUse]
+    hits: int
+    misses: int
+    evictions: int
+    clients: int
+    def __init__(self, address: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., epoch: _Optional[int] = ..., segments: _Optional[int] = ..., objects: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierUse, _Mapping]]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., clients: _Optional[int] = ...) -> None: ...
+
 class StatusReply(_message.Message):
-    __slots__ = ("instances", "model_id", "uptime_s")
+    __slots__ = ("instances", "model_id", "uptime_s", "conductor", "store")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    CONDUCTOR_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     model_id: str
     uptime_s: float
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., model_id: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    conductor: ConductorInfo
+    store: StoreInfo
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., model_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., conductor: _Optional[_Union[ConductorInfo, _Mapping]] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "role", "address", "model_id", "layout", "transfer")
@@ -172,7 +242,9 @@ class SetDrainRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class SetDrainReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "name")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.InstanceState
-    def __init__(self, state: _Optional[_Union[_common_pb2.InstanceState, str]] = ...) -> None: ...
+    name: str
+    def __init__(self, state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., name: _Optional[str] = ...) -> None: ...

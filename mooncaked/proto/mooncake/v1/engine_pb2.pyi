@@ -44,7 +44,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s")
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillReply(_message.Message):
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     num_cached_tokens: int
@@ -63,29 +64,34 @@ class PrefillReply(_message.Message):
     compute_s: float
     push_bytes: int
     push_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ...) -> None: ...
+    first_top_logprobs: _common_pb2.TopLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "first_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ...) -> None: ...
+    first_top_logprobs: _common_pb2.TopLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

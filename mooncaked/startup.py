@@ -1,0 +1,142 @@
+"""Startup failures a user can cause, as one line each.
+
+A daemon that cannot start says why in one line and exits 1; the traceback is for
+`--log-level DEBUG`. Failures are typed where they happen (`StartupError` for an address
+that cannot be bound, the engine's and the config's own errors for a model or a setting)
+and turned into that line in one place, `user_message`, which the CLI calls.
+
+Ports are checked before anything slow starts (`check_addresses`), so a second daemon on a
+busy port fails in a moment, before it loads a model or registers anywhere; the servers map
+a failed bind the same way, for the port that is taken between the check and the bind.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class StartupError(Exception):
+    """A daemon cannot start for a reason the user can fix; the message says what to do."""
+
+
+def _host_port(address: Any) -> tuple[str, int]:
+    """(host, port) from a HostPort, a tuple or 'HOST:PORT' / '[V6]:PORT'."""
+    if isinstance(address, tuple):
+        return str(address[0]), int(address[1])
+    host, _, port = str(address).rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _show(address: Any) -> str:
+    host, port = _host_port(address)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_error(flag: str, address: Any, error: OSError | None) -> StartupError:
+    """The one-line error for `flag`'s address that could not be bound (`error`: what bind said)."""
+    where = f"{flag} {_show(address)}"
+    if error is None or error.errno == errno.EADDRINUSE:
+        return StartupError(f"{where} is already in use (is another mooncaked running?); "
+                            f"stop it or pick another {flag}")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return StartupError(f"{where}: no such address on this machine; pick another {flag} host")
+    if error.errno == errno.EACCES:
+        return StartupError(f"{where}: permission denied (ports below 1024 need privileges); pick another {flag}")
+    if isinstance(error, socket.gaierror):
+        return StartupError(f"{where}: unknown host ({error.strerror or error}); pick another {flag} host")
+    return StartupError(f"cannot listen on {where}: {error.strerror or error}")
+
+
+def probe(address: Any) -> OSError | None:
+    """Why `address` cannot be listened on now, or None. Binds as our servers do (SO_REUSEADDR,
+    never SO_REUSEPORT), so a port held by any listener, ours or not, is reported."""
+    host, port = _host_port(address)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return e
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+            s.listen(1)
+        except OSError as e:
+            return e
+    return None
+
+
+def check_addresses(addresses: list[tuple[str, Any]]) -> None:
+    """Raise the `StartupError` of the first (flag, address) that cannot be listened on; port 0 always can."""
+    for flag, address in addresses:
+        if address is None or _host_port(address)[1] == 0:
+            continue
+        error = probe(address)
+        if error is not None:
+            raise bind_error(flag, address, error)
+
+
+@contextmanager
+def listening(flag: str, address: Any) -> Iterator[None]:
+    """Around a server's bind: an OSError there becomes the `StartupError` naming `flag`."""
+    try:
+        yield
+    except StartupError:
+        raise
+    except OSError as e:
+        raise bind_error(flag, address, e) from e
+
+
+def _is(error: BaseException, module: str, name: str) -> bool:
+    """isinstance against a class of a module only if that module is loaded (the engine imports torch)."""
+    mod = sys.modules.get(module)
+    return mod is not None and isinstance(error, getattr(mod, name))
+
+
+def user_message(error: BaseException) -> str | None:
+    """The one line for a failure the user can fix (a setting, a model, a port, a device), else None."""
+    if isinstance(error, StartupError):
+        return str(error)
+    if _is(error, "mooncaked.config", "ConfigError"):
+        return str(error)
+    if (_is(error, "mooncaked.engine.config", "ConfigError")
+            or _is(error, "mooncaked.engine.gguf_tokenizer", "UnsupportedGGUFError")
+            or _is(error, "mooncaked.engine.gguf_loader", "BadGGUFError")
+            or _is(error, "mooncaked.engine.sampling_params", "RequestError")):
+        return str(error)
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        if error.filename and error.strerror:
+            return f"{error.filename}: {error.strerror}"
+        return str(error)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# under `--role all`: the first failing child's line is the one the user sees. Two engines that
+# fail alike (too little KV memory, say) would print the same line twice, then the cluster would
+# stop; instead each child sends its line to the parent (over the socket the parent also hears
+# the conductor's READY=1 on, roles/all_role.py), which prints the first and drops the rest.
+
+CHILD_ERROR = "MOONCAKED_ERROR"  # the field a child's one-line error travels in
+
+
+def parent_socket_name(parent_pid: int) -> str:
+    """The `all` parent's datagram socket (Linux abstract namespace: nothing on disk to clean up)."""
+    return f"\0mooncaked-all-{parent_pid}"
+
+
+def tell_parent(parent_pid: int, line: str) -> bool:
+    """Send a child's one-line error to its `all` parent; False when it cannot (print it yourself)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.sendto(f"{CHILD_ERROR}={line}".encode()[:4000], parent_socket_name(parent_pid))
+        return True
+    except OSError:
+        return False
