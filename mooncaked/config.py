@@ -297,6 +297,20 @@ class RoleConfig:
                                         "HOST:PORT")
     log_level: str = _setting("INFO", _choice(LOG_LEVELS, upper=True),
                               f"logging level: {', '.join(LOG_LEVELS)}; DEBUG also prints tracebacks", "LEVEL")
+    # security (mooncaked/security.py reads the files, once, at start)
+    tls_cert: str | None = _setting(None, _optional(_str), "PEM certificate of this process, signed by --tls-ca: "
+                                    "mutual TLS on every gRPC link, and HTTPS on the conductor's HTTP front "
+                                    "(default: none, plaintext)", "FILE")
+    tls_key: str | None = _setting(None, _optional(_str), "PEM private key of --tls-cert (not world-readable)",
+                                   "FILE")
+    tls_ca: str | None = _setting(None, _optional(_str), "PEM certificate of the cluster's CA: a gRPC peer "
+                                  "without a certificate it signed is refused", "FILE")
+    cluster_token_file: str | None = _setting(None, _optional(_str),
+                                              "file holding the cluster secret (not world-readable; e.g. "
+                                              "`openssl rand -hex 32`): required of every peer for registration, "
+                                              "heartbeats, engine and store calls (default: none)", "FILE")
+    insecure: bool = _setting(False, _bool, "allow listening beyond loopback with neither TLS nor a cluster "
+                              "token (anyone who reaches a port then owns the cluster)")
 
     _ROLE: ClassVar[str | None] = None  # the role a subclass is for (None: any)
 
@@ -312,6 +326,10 @@ class RoleConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be longer than "
                               f"heartbeat_interval_s ({self.heartbeat_interval_s:g})")
+        tls = {"tls_cert": self.tls_cert, "tls_key": self.tls_key, "tls_ca": self.tls_ca}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(k for k, v in tls.items() if not v)
+            raise ConfigError(f"mutual TLS needs tls_cert, tls_key and tls_ca together; missing {missing}")
         if not self.name and self.listen.port:
             object.__setattr__(self, "name", self.instance_name(self.listen.port))
 
@@ -376,6 +394,9 @@ class WorkerConfig(RoleConfig):
                                            "the KV pool (default: none, no disk tier)", "DIR")
     store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier "
                                      "(0: none; needs --store-lmdb-path)", "SIZE")
+    debug_kill_engine_after_steps: int = _setting(0, _at_least(_int, 0),
+                                                  "debugging only: the engine's driver dies after this many steps, "
+                                                  "to see the instance report itself dead and exit 1 (0: never)", "N")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -444,12 +465,30 @@ class ConductorConfig(RoleConfig):
     kvcache_balancing_threshold: float = _setting(1.25, _at_least(_float, 0, strict=True),
                                                   "with --policy mooncake: pull a prefix from the pool only when "
                                                   "it is this many times longer than the instance's own", "F")
-    api_key: str | None = _setting(None, _optional(_str), "bearer token the HTTP API requires (default: none)",
+    api_key: str | None = _setting(None, _optional(_str), "bearer token the HTTP API (every route but /health "
+                                   "and /metrics) and gRPC Generate require (default: none)",
                                    "KEY", secret=True)  # kept out of repr, hence out of logs
+    metrics_require_key: bool = _setting(False, _bool, "the HTTP front's /metrics also requires --api-key "
+                                         "(/health never does)")
     ready_timeout_s: float = _setting(30.0, _at_least(_float, 0),
                                       "while no prefill and decode have served yet, a request waits up to this "
                                       "many seconds after the conductor started for them, instead of failing at "
                                       "once (/health says 'starting' meanwhile; 0: no wait)", "S")
+    # the HTTP front's limits (conductor/http_limits.py): no client can hold the conductor's memory,
+    # descriptors or event loop
+    max_request_bytes: int = _setting(4 << 20, _at_least(parse_size, 1024),
+                                      "largest HTTP request body (default 4MiB: a max-context prompt as JSON fits "
+                                      "with room); larger ones get 413 before any work", "SIZE")
+    http_header_timeout_s: float = _setting(10.0, _at_least(_float, 0, strict=True),
+                                            "seconds a client has to send a request's headers, from connecting "
+                                            "or from its first byte; then the connection is dropped", "S")
+    http_body_timeout_s: float = _setting(60.0, _at_least(_float, 0, strict=True),
+                                          "seconds a client has to send a request's body; then 408", "S")
+    http_idle_timeout_s: float = _setting(60.0, _at_least(_float, 0, strict=True),
+                                          "seconds an idle keep-alive HTTP connection is kept open", "S")
+    http_max_connections: int = _setting(4096, _at_least(_int, 1),
+                                         "open HTTP connections at most; more are answered 503 and closed at once "
+                                         "(the open-files limit is raised to fit when it can be)", "N")
 
 
 @dataclass(frozen=True, kw_only=True)

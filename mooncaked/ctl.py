@@ -5,7 +5,9 @@
     mooncakectl drain|undrain INSTANCE   stop / resume routing new work to an instance (name or HOST:PORT)
     mooncakectl store [--json]           the KV pool per segment and tier (the master is found via the conductor)
 
-The conductor is found at --conductor (env MOONCAKED_CONDUCTOR, default 127.0.0.1:50051).
+The conductor is found at --conductor (env MOONCAKED_CONDUCTOR, default 127.0.0.1:50051). On a
+secured cluster give the same files as the daemons: --tls-cert/--tls-key/--tls-ca and
+--cluster-token-file (env MOONCAKED_TLS_CERT, ...), and --api-key for `generate` when one is set.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any, NoReturn
 import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, store_pb2, store_pb2_grpc
+from mooncaked.security import Security
+from mooncaked.startup import StartupError
 
 TIMEOUT_S = 10.0
 CONNECT_CHECK_S = 1.0  # after an UNAVAILABLE: is the peer down, or did it answer UNAVAILABLE itself?
@@ -67,7 +71,16 @@ def _down(channel: grpc.Channel, e: grpc.RpcError) -> bool:
         return True
 
 
+def _tls_failed(e: grpc.RpcError) -> bool:
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and any(w in details for w in ("ssl", "handshake", "certificate",
+                                                                                  "tls"))
+
+
 def _conductor_error(e: grpc.RpcError, channel: grpc.Channel, address: str, timeout: float) -> CtlError:
+    if _tls_failed(e):
+        return CtlError(f"TLS with the conductor at {address} failed ({e.details()}): give --tls-cert, --tls-key "
+                        "and --tls-ca signed by the cluster's CA (or MOONCAKED_TLS_CERT, ...)")
     if e.code() == grpc.StatusCode.UNAVAILABLE and _down(channel, e):
         return CtlError(f"no conductor answers at {address} (is mooncaked running? point --conductor HOST:PORT "
                         "or MOONCAKED_CONDUCTOR at its gRPC address)")
@@ -79,9 +92,9 @@ def _conductor_error(e: grpc.RpcError, channel: grpc.Channel, address: str, time
 class Conductor:
     """A channel to the conductor whose failures become one-line CtlErrors."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address)
+        self.channel = (security or Security()).sync_channel(address)
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
 
     def call(self, method: str, request: Any, timeout: float = TIMEOUT_S) -> Any:
@@ -200,11 +213,12 @@ def cmd_status(conductor: Conductor, args) -> int:
 def cmd_generate(conductor: Conductor, args) -> int:
     sampling = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     req = conductor_pb2.GenerateRequest(prompt=args.prompt, raw=args.raw, sampling=sampling)
+    metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
     start = time.perf_counter()
     first = None
     n = 0
     try:
-        for chunk in conductor.stub.Generate(req, timeout=args.timeout):
+        for chunk in conductor.stub.Generate(req, timeout=args.timeout, metadata=metadata):
             first = first if first is not None else time.perf_counter() - start
             n += len(chunk.token_ids)
             sys.stdout.write(chunk.text)
@@ -229,7 +243,7 @@ def _store_address(args) -> str:
     """--store / MOONCAKED_STORE, else the store master the conductor follows."""
     if args.store:
         return args.store
-    conductor = Conductor(args.conductor)
+    conductor = Conductor(args.conductor, args.security)
     try:
         reply = conductor.call("Status", conductor_pb2.StatusRequest(without_pool_stats=True))
     except CtlError as e:
@@ -249,11 +263,14 @@ def store_dict(reply: store_pb2.PoolStatsReply) -> dict[str, Any]:
 
 def cmd_store(args) -> int:
     address = _store_address(args)
-    with grpc.insecure_channel(address) as channel:
+    with args.security.sync_channel(address) as channel:
         try:
             reply = store_pb2_grpc.StoreMasterStub(channel).PoolStats(store_pb2.PoolStatsRequest(),
                                                                       timeout=TIMEOUT_S)
         except grpc.RpcError as e:
+            if _tls_failed(e):
+                raise CtlError(f"TLS with the store master at {address} failed ({e.details()}): give --tls-cert, "
+                               "--tls-key and --tls-ca signed by the cluster's CA") from None
             if e.code() == grpc.StatusCode.UNAVAILABLE and _down(channel, e):
                 raise CtlError(f"no store master answers at {address} (is it running? point --store HOST:PORT "
                                "or MOONCAKED_STORE at it)") from None
@@ -283,6 +300,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="HOST:PORT", default=os.environ.get("MOONCAKED_STORE") or None,
                    help="the store master's gRPC address, for `store` (default: $MOONCAKED_STORE, else the one "
                         "the conductor follows)")
+    for flag, what in (("tls-cert", "PEM certificate signed by the cluster's CA (mutual TLS)"),
+                       ("tls-key", "PEM private key of --tls-cert"),
+                       ("tls-ca", "PEM certificate of the cluster's CA"),
+                       ("cluster-token-file", "file holding the cluster secret (drain, undrain, store)"),
+                       ("api-key", "bearer token of the API, for `generate` when the conductor sets --api-key")):
+        env = "MOONCAKED_" + flag.upper().replace("-", "_")
+        p.add_argument(f"--{flag}", metavar="KEY" if flag == "api-key" else "FILE",
+                       default=os.environ.get(env) or None, help=f"{what} (default: ${env}, else none)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     st = sub.add_parser("status", help="the cluster's one screen: conductor, store master and pool use, instances")
     st.add_argument("--json", action="store_true", help="one JSON object, counts as numbers (default: a table)")
@@ -305,9 +330,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    try:
+        args.security = Security.load(args.tls_cert, args.tls_key, args.tls_ca, args.cluster_token_file)
+    except StartupError as e:
+        raise CtlError(str(e)) from None
     if args.command == "store":
         return cmd_store(args)
-    conductor = Conductor(args.conductor)
+    conductor = Conductor(args.conductor, args.security)
     try:
         if args.command == "status":
             return cmd_status(conductor, args)

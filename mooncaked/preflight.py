@@ -1,4 +1,5 @@
-"""What a role checks before it starts anything slow: its ports, its device, its model.
+"""What a role checks before it starts anything slow: its ports (free, and on loopback unless
+something guards them), its device, its model.
 
 A busy port found here fails the daemon in a moment, before it loads a model, spawns
 children or registers with a conductor (a second `--role all` on a taken `--listen` would
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.config import HostPort, RoleConfig
+from mooncaked.security import check_exposure
 from mooncaked.startup import check_addresses
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,11 @@ def listen_addresses(cfg: RoleConfig) -> list[tuple[str, Any]]:
 
 
 def check_ports(cfg: RoleConfig) -> None:
-    """Raise `StartupError` naming the flag of the first address another process holds."""
-    check_addresses(listen_addresses(cfg))
+    """Raise `StartupError` naming the flag of the first address another process holds, or of the
+    first one beyond loopback when nothing guards it (neither TLS nor a cluster token, no --insecure)."""
+    addresses = listen_addresses(cfg)
+    check_exposure(addresses, secured=bool(cfg.tls_cert or cfg.cluster_token_file), insecure=cfg.insecure)
+    check_addresses(addresses)
 
 
 def check_model(cfg: RoleConfig) -> Path:

@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mooncaked.rpc_parse import ParseErrorsAreInvalidArgument
+from mooncaked.security import Security
 from mooncaked.startup import bind_error, probe
 
 log = logging.getLogger(__name__)
@@ -63,12 +65,18 @@ def sd_notify(state: str) -> None:
 class RoleServer:
     """Owns one grpc.aio server; ``serve()`` runs until a signal, then shuts down once.
 
-    `flag`: the setting `listen` came from, named in the error when the port is taken."""
+    `flag`: the setting `listen` came from, named in the error when the port is taken.
+    `security`: mutual TLS and the cluster token every call but the open ones must carry;
+    `api_key`: what the conductor's `Generate` requires (mooncaked/security.py)."""
 
-    def __init__(self, listen: str, service_names: Iterable[str], flag: str = "--listen") -> None:
+    def __init__(self, listen: str, service_names: Iterable[str], flag: str = "--listen",
+                 security: Security | None = None, api_key: str | None = None) -> None:
         self.listen = listen
         self.flag = flag
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.security = security or Security()
+        # authentication first (a refused call is never parsed), then undecodable bytes -> INVALID_ARGUMENT
+        interceptors = [*self.security.server_interceptors(api_key), ParseErrorsAreInvalidArgument()]
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = list(service_names)
@@ -79,7 +87,9 @@ class RoleServer:
 
     async def start(self) -> int:
         try:
-            self.port = self.server.add_insecure_port(self.listen)
+            creds = self.security.server_credentials()
+            self.port = (self.server.add_insecure_port(self.listen) if creds is None
+                         else self.server.add_secure_port(self.listen, creds))
         except RuntimeError:  # grpc says only "Failed to bind"; a plain bind tells why
             self.port = 0
         if self.port == 0:

@@ -68,7 +68,14 @@ def probe(address: Any) -> OSError | None:
             s.listen(1)
         except OSError as e:
             return e
-    return None
+    # a listener on an IPv6 socket (gRPC binds 127.0.0.1 as ::ffff:127.0.0.1) does not always make an
+    # IPv4 bind fail; one that accepts a connection is in use all the same
+    target = ("::1" if family == socket.AF_INET6 else "127.0.0.1") if host in ("0.0.0.0", "::", "") else host
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return OSError(errno.EADDRINUSE, "address already in use")
+    except OSError:
+        return None
 
 
 def check_addresses(addresses: list[tuple[str, Any]]) -> None:

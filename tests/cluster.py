@@ -56,9 +56,9 @@ class Cluster:
         pick and bind); returns that port once the process has printed it."""
         cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", "127.0.0.1:0", "--name", name,
                *args]
-        if role != "conductor":
+        if role in ("prefill", "decode"):
             cmd += ["--conductor", self.conductor]
-        elif "--http" not in args:
+        elif role == "conductor" and "--http" not in args:
             cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
         log = open(self.log_dir / f"{name}.log", "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)

@@ -175,7 +175,7 @@ BAD = [
     ("completions", {"prompt": "t5", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "t5", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "t5", "logprobs": 6}, "logprobs"),
-    ("completions", {"prompt": [5] * 600}, None),  # longer than the context: refused by the request path
+    ("completions", {"prompt": [5] * 600}, "prompt"),  # longer than the context: refused by its length at once
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "t5"}]}, "messages[0].role"),

@@ -264,7 +264,7 @@ def test_segment_without_trailer_falls_back_to_its_name() -> None:
     mapped, and its removal is noticed by asking the filesystem."""
     name = f"{SHM_PREFIX}{os.getpid()}-legacy"
     path = os.path.join(SHM_DIR, name)
-    with open(path, "wb") as f:
+    with open(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600), "wb") as f:  # owner-only, as segments are
         f.write(b"\x07" * 10_000)
     attachments = ShmAttachments()
     try:

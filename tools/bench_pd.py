@@ -9,6 +9,9 @@ as long as computing it. Measures, in the same run:
 Aim: TTFT(layerwise) <= 1.25 x max(compute, transfer); push-after-prefill pays compute + transfer.
 
     python tools/bench_pd.py [--quick] [--json] [--model PATH] [--prompt-len N]
+
+With MOONCAKED_TLS_CERT/_TLS_KEY/_TLS_CA and/or MOONCAKED_CLUSTER_TOKEN_FILE set, the cluster
+runs secured (mutual TLS, the cluster token) and the bench dials it so: what security costs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pathlib import Path
 import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from mooncaked.security import Security
+
+SECURITY_ENV = ("MOONCAKED_TLS_CERT", "MOONCAKED_TLS_KEY", "MOONCAKED_TLS_CA", "MOONCAKED_CLUSTER_TOKEN_FILE")
 
 
 def _free_port() -> int:
@@ -39,7 +45,8 @@ class MiniCluster:
     def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
         self.procs: list[subprocess.Popen] = []
         self.conductor = f"127.0.0.1:{_free_port()}"
-        base = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") or k in SECURITY_ENV}
+        self.security = Security.load(*(os.environ.get(k) for k in SECURITY_ENV))
         base.update({"MOONCAKED_MODEL": model, "MOONCAKED_ENABLE_PREFIX_CACHING": "false",
                      "MOONCAKED_HEARTBEAT_INTERVAL_S": "0.5", "MOONCAKED_LOG_LEVEL": "WARNING", **env})
         for role in ("conductor", "prefill", "decode"):
@@ -54,7 +61,7 @@ class MiniCluster:
 
     def wait_ready(self, timeout_s: float = 180) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.conductor) as ch:
+        with self.security.sync_channel(self.conductor) as ch:
             stub = conductor_pb2_grpc.ConductorStub(ch)
             while time.monotonic() < deadline:
                 if any(p.poll() is not None for p in self.procs):
@@ -69,7 +76,7 @@ class MiniCluster:
         raise TimeoutError("cluster did not become ready")
 
     def ttft(self, prompt: list[int]) -> tuple[float, conductor_pb2.GenerateChunk]:
-        with grpc.insecure_channel(self.conductor) as ch:
+        with self.security.sync_channel(self.conductor) as ch:
             stub = conductor_pb2_grpc.ConductorStub(ch)
             req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
                                                 sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True))

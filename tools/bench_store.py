@@ -16,7 +16,9 @@ The baseline is `mooncake-transfer-engine`'s `MooncakeDistributedStore` with its
 the default wheel needs libcuda.so.1; Debian's libibverbs1 must be installed). When it
 cannot run, the output says "baseline unavailable: <reason>" and still gives our figures.
 
-Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B]
+Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B] [--token]
+--token: our master and clients share a cluster secret (gRPC metadata; the fast path's and the
+transfer ports' handshake, once per connection).
 Processes are spawned, never forked.
 """
 
@@ -31,6 +33,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -70,17 +73,24 @@ def throughput(seconds: float, nbytes: int) -> dict[str, float]:
 _MASTER = ("import asyncio, sys\n"
            "from mooncaked.config import StoreConfig\n"
            "from mooncaked.roles.store_role import run_store_role\n"
-           "import uvloop; sys.exit(uvloop.run(run_store_role(StoreConfig(listen=sys.argv[1], log_level='WARNING'))))\n")
+           "import uvloop; sys.exit(uvloop.run(run_store_role(StoreConfig(listen=sys.argv[1], log_level='WARNING',\n"
+           "    cluster_token_file=sys.argv[2] or None))))\n")
 
 
-def _our_owner(pipe: Connection, master: str, dram_bytes: int, backend: str) -> None:
+def _security(token_file: str) -> Any:
+    from mooncaked.security import Security
+
+    return Security.load(cluster_token_file=token_file or None)
+
+
+def _our_owner(pipe: Connection, master: str, dram_bytes: int, backend: str, token_file: str) -> None:
     import uvloop
 
     from mooncaked.store import StoreClient, StoreClientConfig
 
     async def main() -> None:
         client = StoreClient(StoreClientConfig(master=master, client_id="bench-owner", dram_bytes=dram_bytes,
-                                               transfer_backend=backend))
+                                               transfer_backend=backend), security=_security(token_file))
         await client.start()
         pipe.send("ready")
         await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
@@ -89,7 +99,8 @@ def _our_owner(pipe: Connection, master: str, dram_bytes: int, backend: str) -> 
     uvloop.run(main())
 
 
-def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, backend: str, fast_path: bool) -> None:
+def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, backend: str, fast_path: bool,
+                token_file: str) -> None:
     import uvloop
 
     from mooncaked.store import StoreClient, StoreClientConfig
@@ -97,7 +108,8 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
     async def main() -> dict[str, Any]:
         client = StoreClient(StoreClientConfig(master=master, client_id="bench-driver", transfer_backend=backend,
                                                fast_path=fast_path,
-                                               staging_bytes=max(64 * MiB, 2 * batch * size)))
+                                               staging_bytes=max(64 * MiB, 2 * batch * size)),
+                             security=_security(token_file))
         await client.start()
         data = payloads(n, size)
         keys = [f"bench/{i}" for i in range(n)]
@@ -138,9 +150,10 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         pipe.send(f"{type(e).__name__}: {e}")
 
 
-def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: bool = True) -> dict[str, Any]:
+def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: bool = True,
+               token_file: str = "") -> dict[str, Any]:
     port = free_port()
-    master = subprocess.Popen([sys.executable, "-c", _MASTER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+    master = subprocess.Popen([sys.executable, "-c", _MASTER, f"127.0.0.1:{port}", token_file], stdout=subprocess.PIPE,
                               text=True, cwd=ROOT)
     try:
         line = master.stdout.readline()
@@ -149,13 +162,13 @@ def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: b
         addr = f"127.0.0.1:{port}"
         owner_pipe, child = CTX.Pipe()
         # room for both phases: the first phase's removed objects stay reserved until their read leases end
-        owner = CTX.Process(target=_our_owner, args=(child, addr, int(n * size * 2.4) + 64 * MiB, backend),
+        owner = CTX.Process(target=_our_owner, args=(child, addr, int(n * size * 2.4) + 64 * MiB, backend, token_file),
                             daemon=True)
         owner.start()
         if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
             raise RuntimeError("our owner process did not start")
         driver_pipe, child = CTX.Pipe()
-        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend, fast_path),
+        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend, fast_path, token_file),
                              daemon=True)
         driver.start()
         if not driver_pipe.poll(300):
@@ -359,25 +372,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--object-kib", type=int, default=512)
     p.add_argument("--batch", type=int, default=16, help="objects per batch in the batched rows")
     p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
+    p.add_argument("--token", action="store_true", help="our processes share a (random) cluster secret")
     args = p.parse_args(argv)
     n = args.objects or (96 if args.quick else 512)
     reps = args.reps or (1 if args.quick else 3)
     size = args.object_kib * 1024
     why = mooncake_unavailable()
+    token_file = ""
+    if args.token:
+        token_dir = tempfile.mkdtemp(prefix="bench-store-")
+        token_file = os.path.join(token_dir, "cluster-token")
+        with open(os.open(token_file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600), "w") as f:
+            f.write(os.urandom(32).hex())
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SYSTEMS, "mooncake")}
     for _ in range(reps):
         for name, (backend, fast_path) in SYSTEMS.items():
-            runs[name].append(bench_ours(n, size, args.batch, backend, fast_path))
+            runs[name].append(bench_ours(n, size, args.batch, backend, fast_path, token_file))
         if why is None:
             try:
                 runs["mooncake"].append(bench_mooncake(n, size, args.batch))
             except Exception as e:  # noqa: BLE001 - the baseline failing must not hide our figures
                 why = f"{type(e).__name__}: {e}"
+    if token_file:
+        shutil.rmtree(os.path.dirname(token_file), ignore_errors=True)
     out: dict[str, Any] = {"object_bytes": size, "objects": n, "batch": args.batch, "reps": reps,
                            "transport": {"ours": "tcp loopback", "ours_shm": "shared memory (backend auto)",
                                          "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
                                          "mooncake": "tcp loopback"},
-                           "floors": floors(n, size)}
+                           "floors": floors(n, size), "cluster_secret": bool(token_file)}
     for name in SYSTEMS:
         out[name] = best(runs[name])
     if runs["mooncake"] and why is None:

@@ -10,7 +10,8 @@ Rows (the same total bytes, moved as fixed-size blocks):
   mooncake mooncake-transfer-engine's TCP transport, when importable
            (through our adapter, mooncaked.transfer.rdma; run after the others)
 
-Usage: python tools/bench_transfer.py [--quick] [--json] [--total-mib N] [--block-mib N]
+Usage: python tools/bench_transfer.py [--quick] [--json] [--total-mib N] [--block-mib N] [--token]
+--token: our engines prove a cluster secret to each other (the handshake, once per connection).
 Baseline and engine reps are interleaved so both see the same machine load.
 Processes are spawned, never forked: forking after allocating big buffers
 would make every page copy-on-write.
@@ -24,6 +25,7 @@ import ctypes
 import hashlib
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -76,9 +78,9 @@ def _socket_receiver(pipe: Connection, total: int) -> None:
         conn.sendall(b"k")
 
 
-def _engine_peer(pipe: Connection, backend: str, total: int) -> None:
+def _engine_peer(pipe: Connection, backend: str, total: int, token: bytes | None) -> None:
     async def main() -> None:
-        engine = TransferEngine(backend=backend)
+        engine = TransferEngine(backend=backend, token=token)
         dst = engine.alloc_region("dst", total)
         pipe.send(await engine.start())
         loop = asyncio.get_running_loop()
@@ -101,15 +103,15 @@ def _gbps(total: int, seconds: float) -> float:
     return total / seconds / 1e9
 
 
-def bench_tcp(total: int, block: int, reps: int) -> dict[str, list[float] | bool]:
+def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None) -> dict[str, list[float] | bool]:
     """Plain socket and engine tcp, reps interleaved so both see the same load."""
     _, sock_proc, port = _spawn(_socket_receiver, total)
-    pipe, peer_proc, peer = _spawn(_engine_peer, "tcp", total)
+    pipe, peer_proc, peer = _spawn(_engine_peer, "tcp", total, token)
     times: dict[str, list[float] | bool] = {"socket": [], "tcp": [], "tcp_1conn": []}
 
     async def main() -> bool:
-        engine = TransferEngine(backend="tcp")
-        one = TransferEngine(backend="tcp", connections_per_peer=1)
+        engine = TransferEngine(backend="tcp", token=token)
+        one = TransferEngine(backend="tcp", connections_per_peer=1, token=token)
         src = engine.alloc_region("src", total)
         one.register("src", src)
         _fill(src)
@@ -144,13 +146,13 @@ def bench_tcp(total: int, block: int, reps: int) -> dict[str, list[float] | bool
     return times
 
 
-def bench_shm(total: int, block: int, reps: int) -> dict[str, list[float] | bool]:
+def bench_shm(total: int, block: int, reps: int, token: bytes | None = None) -> dict[str, list[float] | bool]:
     """In-process copies (torch copy_, memmove) and engine shm, interleaved."""
-    pipe, peer_proc, peer = _spawn(_engine_peer, "shm", total)
+    pipe, peer_proc, peer = _spawn(_engine_peer, "shm", total, token)
     times: dict[str, list[float] | bool] = {"torch_copy": [], "memmove": [], "shm": []}
 
     async def main() -> bool:
-        engine = TransferEngine(backend="shm")
+        engine = TransferEngine(backend="shm", token=token)
         src = engine.alloc_region("src", total)
         _fill(src)
         dst = torch.zeros(total, dtype=torch.uint8)
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=None)
     ap.add_argument("--block-mib", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--token", action="store_true", help="engines prove a (random) cluster secret to each other")
     args = ap.parse_args(argv)
     total = (args.total_mib or (256 if args.quick else 1024)) * MiB
     block = args.block_mib * MiB
@@ -237,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if total % block:
         ap.error("total must be a multiple of the block size")
 
-    tcp_runs = bench_tcp(total, block, reps)
-    shm_runs = bench_shm(total, block, reps)
+    token = os.urandom(32).hex().encode() if args.token else None
+    tcp_runs = bench_tcp(total, block, reps, token)
+    shm_runs = bench_shm(total, block, reps, token)
     mc = bench_mooncake(total, block, reps)
     tcp_ok, shm_ok = bool(tcp_runs.pop("tcp_verified")), bool(shm_runs.pop("shm_verified"))
     runs: dict[str, list[float]] = {**tcp_runs, **shm_runs}  # type: ignore[dict-item]
@@ -251,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_bytes": total,
         "block_bytes": block,
         "reps": reps,
+        "cluster_secret": bool(token),
         "unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
         "best_gbps": {k: round(v, 3) for k, v in best.items()},
         "median_gbps": {k: round(v, 3) for k, v in median.items()},

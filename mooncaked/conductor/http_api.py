@@ -25,13 +25,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mooncaked.conductor import metrics
 from mooncaked.conductor.kv_indexer import KVIndexer
 from mooncaked.conductor.fanout import first_chunks, merged
+from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
+from mooncaked.conductor.json_body import decode_json
 from mooncaked.conductor.openai_response import Responder, TokenTexts, merge_chunks, usage
 from mooncaked.conductor.openai_schema import ApiError, GenerateSpec, ServedModel, bad, parse_chat, parse_completion
+from mooncaked.security import TOKEN_HEADER, Security
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 << 20  # a long prompt as token ids (200k ids) is a few MB of JSON
-OPEN_PATHS = {"/health", "/metrics"}  # probes and scrapers carry no token
+OPEN_PATHS = {"/health"}  # probes carry no API key (and /metrics, unless --metrics-require-key)
+TOKEN_PATHS = {"/register", "/unregister"}  # KV-indexer writes also need the cluster secret (X-Mooncaked-Token)
 
 # gRPC status of the request path -> (HTTP status, OpenAI error type, code)
 STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
@@ -76,6 +79,9 @@ class HttpFront:
     api_key: str | None
     indexer: KVIndexer
     created: int = field(default_factory=lambda: int(time.time()))
+    security: Security = field(default_factory=Security)  # the cluster secret for TOKEN_PATHS
+    metrics_require_key: bool = False
+    limits: HttpLimits = field(default_factory=HttpLimits)  # body size and read time (http_limits.py)
 
     # -- middleware ---------------------------------------------------------------------------
     @web.middleware
@@ -83,7 +89,10 @@ class HttpFront:
         try:
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            resp = web.json_response(e.body(), status=e.status)
+            if closes_connection(request):
+                resp.force_close()
+            return resp
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -99,7 +108,11 @@ class HttpFront:
 
     @web.middleware
     async def auth(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key is None or request.path in OPEN_PATHS:
+        if request.path in TOKEN_PATHS and not self.security.token_ok(request.headers.get(TOKEN_HEADER)):
+            raise ApiError(401, f"{request.path} needs the cluster secret: send it in the {TOKEN_HEADER} header",
+                           "invalid_request_error", None, "invalid_cluster_token")
+        open_paths = OPEN_PATHS if self.metrics_require_key else OPEN_PATHS | {"/metrics"}
+        if self.api_key is None or request.path in open_paths:
             return await handler(request)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
@@ -108,12 +121,9 @@ class HttpFront:
         return await handler(request)
 
     # -- helpers ------------------------------------------------------------------------------
-    @staticmethod
-    async def body(request: web.Request) -> Any:
-        try:
-            return json.loads(await request.read())
-        except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise bad(f"the request body is not valid JSON: {e}") from None
+    async def body(self, request: web.Request) -> Any:
+        """The JSON body, bounded in size and time; malformed text is a 400 (json_body.py)."""
+        return decode_json(await read_body(request, self.limits))
 
     # -- OpenAI -------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -249,9 +259,12 @@ class HttpFront:
         return web.json_response({"status": state, **counts}, status=503)
 
 
-def make_app(service: Any, served: ServedModel, api_key: str | None) -> web.Application:
-    front = HttpFront(service, served, api_key, KVIndexer(service))
-    app = web.Application(middlewares=[front.errors, front.auth], client_max_size=MAX_BODY_BYTES)
+def make_app(service: Any, served: ServedModel, api_key: str | None, security: Security | None = None,
+             metrics_require_key: bool = False, limits: HttpLimits | None = None) -> web.Application:
+    limits = limits or HttpLimits()
+    front = HttpFront(service, served, api_key, KVIndexer(service), security=security or Security(),
+                      metrics_require_key=metrics_require_key, limits=limits)
+    app = web.Application(middlewares=[front.errors, front.auth], client_max_size=limits.max_request_bytes)
     app.add_routes([
         web.post("/v1/completions", front.completions),
         web.post("/v1/chat/completions", front.chat_completions),
@@ -269,14 +282,20 @@ def make_app(service: Any, served: ServedModel, api_key: str | None) -> web.Appl
 
 
 async def start_http(service: Any, served: ServedModel, host: str, port: int, api_key: str | None,
-                     shutdown_timeout_s: float) -> tuple[web.AppRunner, int]:
+                     shutdown_timeout_s: float, *, security: Security | None = None,
+                     metrics_require_key: bool = False,
+                     limits: HttpLimits | None = None) -> tuple[web.AppRunner, int]:
     """Listen on host:port (0: any free port) and return the runner (``cleanup()`` stops it,
-    letting open streams finish for up to ``shutdown_timeout_s``) and the bound port."""
+    letting open streams finish for up to ``shutdown_timeout_s``) and the bound port.
+    With TLS configured (``security``) it serves HTTPS from the same certificate and key.
+    ``limits`` bound bodies, read times and open connections (http_limits.py)."""
+    security = security or Security()
+    limits = limits or HttpLimits()
     # handler_cancellation: a client that disconnects cancels its handler, hence its request
-    runner = web.AppRunner(make_app(service, served, api_key), handler_cancellation=True,
-                           shutdown_timeout=shutdown_timeout_s, access_log=None)
+    runner = web.AppRunner(make_app(service, served, api_key, security, metrics_require_key, limits),
+                           handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = GuardedSite(runner, host, port, limits, ssl_context=security.http_ssl_context(), access_log=None)
     try:
         await site.start()
     except OSError:

@@ -31,6 +31,8 @@ TIER_NAMES = {"hbm": "GPU", "dram": "CPU", "lmdb": "DISK"}  # our media -> the R
 MEDIA = {"gpu": "hbm", "hbm": "hbm", "npu": "hbm", "device": "hbm", "cpu": "dram", "cpu_pinned": "dram",
          "dram": "dram", "host": "dram", "disk": "lmdb", "ssd": "lmdb", "lmdb": "lmdb"}  # RFC media -> ours
 MAX_SOURCES = 4096
+MAX_NAME = 256  # characters of an id, endpoint or model name: sources are kept in memory
+MAX_DP_RANK = 1 << 16
 _U32, _U64 = 1 << 32, 1 << 64
 
 
@@ -64,10 +66,20 @@ def _str(body: dict, name: str, required: bool = False, default: str | None = No
         return default
     if not isinstance(v, str) or (required and not v):
         raise bad(f"{name} must be a non-empty string", name)
+    if len(v) > MAX_NAME:
+        raise bad(f"{name} is longer than {MAX_NAME} characters", name)
     return v
 
 
-def _ints(v: Any, name: str, limit: int) -> list[int]:
+def _dp_rank(v: Any) -> int:
+    if not _is_int(v) or not 0 <= v < MAX_DP_RANK:
+        raise bad(f"dp_rank must be an integer in [0, {MAX_DP_RANK})", "dp_rank")
+    return v
+
+
+def _ints(v: Any, name: str, limit: int, max_len: int) -> list[int]:
+    if isinstance(v, list) and len(v) > max_len:  # before looking at each: a long list is refused at once
+        raise bad(f"{name} has {len(v)} entries; at most {max_len} (the model's context)", name)
     if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < limit for t in v):
         raise bad(f"{name} must be a list of integers in [0, {limit})", name)
     return v
@@ -82,6 +94,14 @@ class KVIndexer:
         self.sources: dict[str, Source] = {}
 
     # -- shared checks ----------------------------------------------------------------------------
+    @property
+    def _max_tokens(self) -> int:
+        return self.service.model_config.max_position_embeddings
+
+    @property
+    def _max_blocks(self) -> int:
+        return self._max_tokens // self.service.block_size + 1
+
     def _body(self, body: Any) -> dict:
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
@@ -123,11 +143,11 @@ class KVIndexer:
             name = "seq_hashes" if "seq_hashes" in body else "block_hash"
             if body.get(name) is None:
                 raise bad("seq_hashes is required", "seq_hashes")
-            hashes = _ints(body[name], name, _U64)
+            hashes = _ints(body[name], name, _U64, self._max_blocks)
         else:
             if body.get("token_ids") is None:
                 raise bad("token_ids is required", "token_ids")
-            hashes = block_hashes(_ints(body["token_ids"], "token_ids", _U32), bs, self.service.hash_seed)
+            hashes = block_hashes(_ints(body["token_ids"], "token_ids", _U32, self._max_tokens), bs, self.service.hash_seed)
         index = self.service.index
         matched = index.match(hashes)
         answer: dict[str, dict[str, Any]] = {}
@@ -168,9 +188,7 @@ class KVIndexer:
         if instance_id in self.service.registry.instances or instance_id == POOL_HOLDER:
             raise bad(f"{instance_id!r} is one of this cluster's own instances (or its KV pool), which report "
                       "by themselves; pick another instance_id", "instance_id")
-        dp = body.get("dp_rank")
-        if not _is_int(dp) or dp < 0:
-            raise bad("dp_rank must be an integer >= 0", "dp_rank")
+        dp = _dp_rank(body.get("dp_rank"))
         source = Source(instance_id, _str(body, "tenant_id", default=DEFAULT_TENANT), dp,
                         _str(body, "endpoint", required=True), _str(body, "type", required=True),
                         _str(body, "replay_endpoint"))
@@ -186,8 +204,8 @@ class KVIndexer:
         instance_id = _str(body, "instance_id", required=True)
         tenant = _str(body, "tenant_id", default=DEFAULT_TENANT)
         dp = body.get("dp_rank")
-        if dp is not None and (not _is_int(dp) or dp < 0):
-            raise bad("dp_rank must be an integer >= 0", "dp_rank")
+        if dp is not None:
+            dp = _dp_rank(dp)
         gone = [k for k, s in self.sources.items()
                 if s.instance_id == instance_id and s.tenant_id == tenant and (dp is None or s.dp_rank == dp)]
         if not gone:
@@ -228,13 +246,18 @@ class KVIndexer:
         instance_id = e.get("instance_id") or e.get("backend_id")
         tenant = e.get("tenant_id") or DEFAULT_TENANT
         dp = e.get("dp_rank") or 0
+        if not all(isinstance(v, str) and len(v) <= MAX_NAME for v in (instance_id, tenant)) or not _is_int(dp) \
+                or not 0 <= dp < MAX_DP_RANK:
+            raise bad(f"{where}: instance_id and tenant_id must be strings of at most {MAX_NAME} characters, "
+                      f"dp_rank an integer in [0, {MAX_DP_RANK})", f"{where}.instance_id")
         key = f"{instance_id}|{tenant}|{dp}"
         if key not in self.sources:
-            raise bad(f"{where}: {key!r} is not registered; POST /register first", f"{where}.instance_id")
+            raise bad(f"{where}: {key[:3 * MAX_NAME]!r} is not registered; POST /register first",
+                      f"{where}.instance_id")
         hashes: list[int] = []
         if kind != "cleared":
             name = "seq_hashes" if "seq_hashes" in e else "block_hashes"
-            hashes = _ints(e.get(name), f"{where}.{name}", _U64)
+            hashes = _ints(e.get(name), f"{where}.{name}", _U64, self._max_blocks)
         medium = MEDIA.get(str(e.get("medium") or "cpu").lower())
         if medium is None:
             raise bad(f"{where}.medium must be one of {sorted(MEDIA)}", f"{where}.medium")

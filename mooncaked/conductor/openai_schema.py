@@ -11,6 +11,8 @@ OpenAI clients send them. An unknown model is a 404, as OpenAI's.
 from __future__ import annotations
 
 import math
+import reprlib
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,7 @@ MAX_N = 16  # choices per request: each is a request of its own on the cluster
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' ``logprobs``
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for chat's ``top_logprobs`` (the engine's too)
 _U64 = 1 << 64
+_FLOAT_MAX = int(sys.float_info.max)
 _CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -86,7 +89,9 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    if _is_int(v):
+        return abs(v) <= _FLOAT_MAX  # a bigger int has no float (math.isfinite would raise)
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def _int(body: dict, name: str, lo: int, hi: int, what: str) -> int | None:
@@ -105,6 +110,8 @@ def _number(body: dict, name: str, lo: float, hi: float, what: str, lo_open: boo
     if v is None:
         return None
     if not _is_number(v):
+        if _is_int(v):
+            raise bad(f"{name} must be {what}, got an integer of {len(str(abs(v)))} digits", name)
         raise bad(f"{name} must be a number, got {type(v).__name__}", name)
     if v < lo or v > hi or (lo_open and v == lo):
         raise bad(f"{name} must be {what}, got {v}", name)
@@ -120,9 +127,13 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return v
 
 
-def _token_ids(v: Any, vocab: int, param: str) -> list[int]:
+def _token_ids(v: Any, served: ServedModel, param: str) -> list[int]:
     if not v:
         raise bad(f"{param} is empty", param)
+    if len(v) >= served.max_context:  # first: a long list costs nothing more to refuse
+        raise bad(f"{param} has {len(v)} tokens; the model's context is {served.max_context} tokens", param,
+                  "context_length_exceeded")
+    vocab = served.vocab_size
     if not all(_is_int(t) for t in v):
         raise bad(f"{param} must be a string or a list of integer token ids", param)
     if any(not 0 <= t < vocab for t in v):
@@ -130,11 +141,17 @@ def _token_ids(v: Any, vocab: int, param: str) -> list[int]:
     return v
 
 
+def _short(v: Any, limit: int = 80) -> str:
+    """A value for an error message: the client may have sent megabytes of it."""
+    text = reprlib.repr(v)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _unsupported(body: dict, allowed: dict[str, tuple]) -> None:
     """Refuse fields we do not implement unless they hold a value that changes nothing."""
     for name, harmless in allowed.items():
         if name in body and body[name] not in harmless:
-            raise bad(f"{name}={body[name]!r} is not supported by this server", name, "unsupported_parameter")
+            raise bad(f"{name}={_short(body[name])} is not supported by this server", name, "unsupported_parameter")
 
 
 def _model(body: dict, served: ServedModel) -> str:
@@ -145,7 +162,7 @@ def _model(body: dict, served: ServedModel) -> str:
     if not isinstance(model, str):
         raise bad(f"model must be a string, got {type(model).__name__}", "model")
     if model not in served.names:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served.names[0]!r}",
+        raise ApiError(404, f"the model {_short(model)} does not exist; this server serves {served.names[0]!r}",
                        "invalid_request_error", "model", "model_not_found")
     return served.names[0]
 
@@ -238,7 +255,7 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
         req.prompt = prompt
         req.raw = True
     elif isinstance(prompt, list):
-        req.token_ids.ids.extend(_token_ids(prompt, served.vocab_size, "prompt"))
+        req.token_ids.ids.extend(_token_ids(prompt, served, "prompt"))
     elif prompt is None:
         raise bad("prompt is required", "prompt")
     else:

@@ -26,6 +26,7 @@ from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from mooncaked.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +42,14 @@ class PoolWatch:
 
     def __init__(self, store: str, model_id: str, index: PrefixIndex, *,
                  stream_deadline_s: float = STREAM_DEADLINE_S, retry_s: float = RETRY_S,
-                 max_retry_s: float = MAX_RETRY_S) -> None:
+                 max_retry_s: float = MAX_RETRY_S, security: Security | None = None) -> None:
         self.store = store
         self.prefix = f"{model_id}/"
         self.index = index
         self.stream_deadline_s = stream_deadline_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
-        self.channel = grpc.aio.insecure_channel(store, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.channel = (security or Security()).channel(store, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = store_pb2_grpc.StoreMasterStub(self.channel)
         self.synced = False  # the current stream's snapshot is applied
         self.epoch = 0  # the master's, as of the last snapshot

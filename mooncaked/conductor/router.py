@@ -31,7 +31,11 @@ UNKNOWN_REMAINING_TOKENS = 256
 
 
 class NoInstanceError(Exception):
-    """No instance can take the request now; the message says which role is missing."""
+    """No instance can take the request now; the message (and ``role``) say which role is missing."""
+
+    def __init__(self, message: str, role: str = "") -> None:
+        super().__init__(message)
+        self.role = role  # "prefill" | "decode"
 
 
 class RejectedError(Exception):
@@ -189,7 +193,31 @@ def pick(registry: Registry, index: PrefixIndex, hashes: list[int], prompt_len: 
     decision = state.policy.decide(request, view)
     if isinstance(decision, Rejection):
         if decision.reason in ("no_prefill", "no_decode"):
-            raise NoInstanceError(decision.detail)
+            raise NoInstanceError(decision.detail, decision.reason.removeprefix("no_"))
         log.info("rejected %s early (%s): %s", request_id or "a request", decision.reason, decision.detail)
         raise RejectedError(decision.reason, decision.detail)
     return Route(registry.find(decision.prefill), registry.find(decision.decode), decision.reuse_blocks, decision)
+
+
+def predict_kv_wait(state: SchedulerState, decode: Instance, prompt_len: int) -> float | None:
+    """Seconds until ``decode`` is forecast to have KV room for a ``prompt_len``-token prompt.
+
+    Its free blocks (last heartbeat) plus what the sequences this conductor routed there give
+    back as they finish, earliest first; a sequence with ``r`` tokens to go finishes after ``r``
+    steps of today's predicted step time. ``None`` when nothing known will free room (the
+    blocks are held by requests this conductor did not route): no forecast, no rejection.
+    """
+    bs = decode.layout.block_size
+    need = -(-prompt_len // bs) * bs
+    free = decode.load.free_kv_blocks * bs
+    if free >= need:
+        return 0.0
+    seqs = [s for s in state.seqs.values() if s.decode == decode.name]
+    if not seqs:
+        return None
+    step = state.model(decode.name).decode.predict(len(seqs), sum(s.context for s in seqs))
+    for remaining, held in sorted((s.remaining, s.context + s.remaining) for s in seqs):
+        free += -(-held // bs) * bs
+        if free >= need:
+            return remaining * step
+    return None

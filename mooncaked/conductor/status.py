@@ -18,6 +18,7 @@ from mooncaked.conductor import metrics
 from mooncaked.conductor.registry import DEAD, Registry
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from mooncaked.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,11 @@ def store_info(address: str, stats: store_pb2.PoolStatsReply) -> conductor_pb2.S
 class StoreProbe:
     """A channel to the store master for its figures; `close()` when done."""
 
-    def __init__(self, address: str, timeout_s: float = STORE_STATS_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout_s: float = STORE_STATS_TIMEOUT_S,
+                 security: Security | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.channel = (security or Security()).channel(address, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = store_pb2_grpc.StoreMasterStub(self.channel)
 
     async def info(self, with_stats: bool = True) -> conductor_pb2.StoreInfo:

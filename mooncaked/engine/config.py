@@ -78,10 +78,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Validate an HF config dict; every failure names the offending field."""
+        """Validate an HF config dict; every failure names the offending field. Sizes are bounded
+        here, so a hostile file is refused before anything is allocated for it."""
         archs = cfg.get("architectures") or []
-        if not archs:
-            raise ConfigError("config.json has no 'architectures' field")
+        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+            raise ConfigError("config.json needs 'architectures': a list naming the model class")
         arch = archs[0]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
@@ -89,72 +90,112 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-
-        def need(key: str, kind: type = int) -> Any:
-            if key not in cfg or cfg[key] is None:
-                raise ConfigError(f"config.json is missing required field {key!r}")
-            value = cfg[key]
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ConfigError(f"config.json field {key!r} must be a positive integer, got {value!r}")
-            if kind is float and (not isinstance(value, (int, float)) or value <= 0):
-                raise ConfigError(f"config.json field {key!r} must be a positive number, got {value!r}")
-            return value
-
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"config.json field 'num_key_value_heads' ({kv_heads!r}) must divide "
-                f"num_attention_heads ({heads})"
-            )
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; set 'head_dim'")
-            head_dim = hidden // heads
+        f = _Fields(cfg)
+        hidden = f.int("hidden_size", hi=MAX_DIM)
+        heads = f.int("num_attention_heads", hi=MAX_DIM)
+        kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_DIM)
+        if heads % kv_heads:
+            raise ConfigError(f"config.json field 'num_key_value_heads' ({kv_heads}) must divide "
+                              f"num_attention_heads ({heads})")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; set 'head_dim'")
+        head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_DIM)
+        vocab = f.int("vocab_size", hi=MAX_VOCAB)
+        window = None
+        if f.bool("use_sliding_window", arch == "MistralForCausalLM"):
+            window = f.int("sliding_window", default=None, hi=MAX_POSITIONS)
+        bos = f.int("bos_token_id", default=None, lo=0, hi=vocab - 1)
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch == "MistralForCausalLM") else None
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab for e in eos_list):
+            raise ConfigError(f"config.json field 'eos_token_id' must be a token id or a list of them "
+                              f"(below vocab_size {vocab}), got {eos!r}")
         return cls(
             architecture=arch,
-            vocab_size=need("vocab_size"),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            intermediate_size=f.int("intermediate_size", hi=MAX_DIM),
+            num_layers=f.int("num_hidden_layers", hi=MAX_LAYERS),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim,
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6),
             rope=_parse_rope(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", default_bias)),
+            max_position_embeddings=f.int("max_position_embeddings", default=2048, hi=MAX_POSITIONS),
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            attention_bias=f.bool("attention_bias", default_bias),
             qk_norm=qk_norm,
-            dtype=parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype")),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            dtype=parse_dtype(f.str("torch_dtype") or f.str("dtype")),
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos_list),
             sliding_window=window,
         )
+
+
+# bounds no real model reaches (the largest open models: hidden 16k, vocab 256k, 126 layers, 1M context)
+MAX_DIM = 1 << 17
+MAX_VOCAB = 1 << 22
+MAX_LAYERS = 1024
+MAX_POSITIONS = 1 << 24
+
+
+class _Fields:
+    """Typed reads of config.json fields: a wrong type or range is a ConfigError naming the field."""
+
+    _MISSING = object()
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+
+    def int(self, key: str, default: Any = _MISSING, lo: int = 1, hi: int = 1 << 62) -> Any:
+        value = self.cfg.get(key)
+        if value is None:
+            if default is self._MISSING:
+                raise ConfigError(f"config.json is missing required field {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise ConfigError(f"config.json field {key!r} must be an integer in [{lo}, {hi}], got {value!r}")
+        return value
+
+    def float(self, key: str, default: float) -> float:
+        value = self.cfg.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
+            raise ConfigError(f"config.json field {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"config.json field {key!r} must be true or false, got {value!r}")
+        return value
+
+    def str(self, key: str) -> str | None:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"config.json field {key!r} must be a string, got {value!r}")
+        return value
 
 
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise ConfigError("config.json fields 'rope_parameters' and 'rope_scaling' must be objects")
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"config.json field 'rope_theta' must be a positive number, got {theta!r}")
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
     if rope_type not in ("default", "llama3", "linear"):
         raise ConfigError(f"unsupported rope type {rope_type!r} in 'rope_parameters'/'rope_scaling'")
+    f = _Fields({**merged, "rope_theta": theta})
     return RopeConfig(
-        theta=float(theta),
+        theta=f.float("rope_theta", 10000.0),
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
-        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", 8192)),
+        factor=f.float("factor", 1.0),
+        low_freq_factor=f.float("low_freq_factor", 1.0),
+        high_freq_factor=f.float("high_freq_factor", 4.0),
+        original_max_position_embeddings=f.int("original_max_position_embeddings", default=8192, hi=MAX_POSITIONS),
     )
 
 

@@ -4,6 +4,11 @@
 ``async for out in engine.stream(prompt, params)`` are what the daemon, the tests and
 users' scripts call. A step is: take new requests, schedule, run, apply the results.
 Requests may be added from any thread; whoever steps serves every request.
+
+No request can stop the engine: an exception in a step fails that step's requests (each gets
+finish_reason "error" and the reason in ``Output.error``) and the next step goes on. Should the
+driver die anyway (a bug), every waiting request gets an error at once, ``driver_failure`` says
+why, and ``on_driver_death`` tells the owner (the daemon reports itself dead and exits).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ log = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 Sink = Callable[[Output], None]
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine's driver died: it takes no more requests (its process should be restarted)."""
 
 
 @dataclass
@@ -138,6 +147,10 @@ class Engine:
         self._cached_tokens = 0
         self._decode_tokens = 0
         self._steps = 0
+        # set once, if the driver dies of something the step's own error handling did not catch
+        self.driver_failure: BaseException | None = None
+        # called on the driver's event loop when it dies; the daemon reports itself dead and exits
+        self.on_driver_death: Callable[[BaseException], None] | None = None
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -243,6 +256,8 @@ class Engine:
         capacity = self.block_manager.num_blocks * self.config.block_size
         if n + 1 > capacity:
             raise RequestError(f"the prompt needs {n + 1} KV slots; the cache holds {capacity}")
+        if self.driver_failure is not None:
+            raise EngineStoppedError(f"the engine stopped ({self.driver_failure!r}); it takes no new requests")
         if seq.request_id in self._requests:
             raise RequestError(f"request id {seq.request_id!r} is already in use")
         params = seq.params
@@ -276,7 +291,8 @@ class Engine:
                 seq.block_table = []
 
     async def call(self, fn, *args):
-        """Run ``fn(*args)`` on the engine thread, between steps (the block manager is not thread-safe)."""
+        """Run ``fn(*args)`` on the engine thread, between steps (the block manager is not thread-safe).
+        Works after the driver died too (bookkeeping such as giving blocks back)."""
         loop = asyncio.get_running_loop()
         self.start_driver(loop)
         return await loop.run_in_executor(self._executor, fn, *args)
@@ -286,13 +302,25 @@ class Engine:
         self._aborts.append(request_id)
         self._wake_if_driven()
 
+    def abort_all(self) -> None:
+        """Stop every request (a daemon past its drain timeout). Thread-safe."""
+        for rid in list(self._requests):
+            self.abort(rid)
+
     def has_work(self) -> bool:
         return bool(self._inbox or self._aborts or self.scheduler.has_work())
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[Output]:
+        """One step. An exception outside the model run (which fails only its own requests)
+        means the engine's bookkeeping went wrong: every request is failed, the engine goes on
+        empty. If even that fails, the exception is raised (and a driver dies of it)."""
         with self._step_lock:
-            return self._step()
+            try:
+                return self._step()
+            except Exception as e:
+                log.exception("engine step failed; failing every request")
+                return self._fail_all(f"the engine step failed: {e!r}")
 
     def _step(self) -> list[Output]:
         outputs: list[Output] = []
@@ -317,12 +345,38 @@ class Engine:
                             s.samples and not s.seq.output_token_ids) for s in plan.scheduled]
             user_hook = self.layer_hook
             hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
-        result = self.runner.run(plan.scheduled, hook)
+        try:
+            result = self.runner.run(plan.scheduled, hook)
+        except Exception as e:
+            # a model run that raised (out of memory, a layer hook's push failing, a bug) fails the
+            # requests it ran, not the engine: their blocks go back and the next step runs
+            log.exception("model run failed for %d requests", len(plan.scheduled))
+            for s in plan.scheduled:
+                self._fail(self._requests[s.seq.request_id], f"the model run failed: {e!r}", outputs)
+            return outputs
         self._steps += 1
         self._record(plan.scheduled, result.seconds)
         for s in plan.scheduled:
             rid = s.seq.request_id
+            if rid in result.errors:
+                log.error("request %s failed: %s", rid, result.errors[rid])
+                self._fail(self._requests[rid], result.errors[rid], outputs)
+                continue
             self._apply(s, result.tokens.get(rid), result.logprobs.get(rid), result.top_logprobs.get(rid), outputs)
+        return outputs
+
+    def _fail(self, req: _Request, why: str, outputs: list[Output]) -> None:
+        """End one request with finish_reason "error"; its blocks go back (its KV is not published)."""
+        self.scheduler.finish(req.seq, "error")
+        outputs.append(self._emit(req, [], error=why))
+
+    def _fail_all(self, why: str) -> list[Output]:
+        outputs: list[Output] = []
+        self._inbox.clear()
+        self._aborts.clear()
+        for req in list(self._requests.values()):
+            if not req.seq.finished:
+                self._fail(req, why, outputs)
         return outputs
 
     def _record(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
@@ -378,7 +432,7 @@ class Engine:
                 self._held[seq.request_id] = seq
         outputs.append(self._emit(req, [token]))
 
-    def _emit(self, req: _Request, new_ids: list[int]) -> Output:
+    def _emit(self, req: _Request, new_ids: list[int], error: str | None = None) -> Output:
         seq = req.seq
         out = Output(
             request_id=seq.request_id,
@@ -392,6 +446,7 @@ class Engine:
             compute_s=seq.compute_s,
             new_token_ids=new_ids,
             new_text=req.detok.take_delta(final=seq.finished),
+            error=error,
         )
         if seq.finished:
             self._requests.pop(seq.request_id, None)
@@ -472,14 +527,36 @@ class Engine:
         """Step the engine in a background thread for as long as ``loop`` runs (daemons call this once;
         ``stream`` and ``call`` do it on demand)."""
         loop = loop or asyncio.get_running_loop()
-        if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:
-            return
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        if self.driver_failure is not None:
+            return  # a dead engine stays dead: its owner restarts the process
+        if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:
+            return
         self._wake = asyncio.Event()
         self._driver_loop = loop
         self._driver = loop.create_task(self._drive(), name="engine-driver")
         self._driver.add_done_callback(log_task_failure)
+        self._driver.add_done_callback(self._driver_done)
+
+    def _driver_done(self, task: asyncio.Task) -> None:
+        """The driver ended: by ``close`` or its loop's end (cancelled), or it died."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.driver_failure = exc
+        log.critical("the engine driver died (%r); failing %d requests", exc, len(self._requests))
+        why = f"the engine stopped: {exc!r}"
+        for req in list(self._requests.values()):
+            # the scheduler may be what broke: tell the waiters without touching it
+            self._requests.pop(req.seq.request_id, None)
+            try:
+                req.sink(Output(request_id=req.seq.request_id, prompt_token_ids=req.seq.prompt_token_ids,
+                                token_ids=list(req.seq.output_token_ids), finish_reason="error", error=why))
+            except Exception:
+                log.exception("output sink for %s failed", req.seq.request_id)
+        if self.on_driver_death is not None:
+            self.on_driver_death(exc)
 
     def _wake_driver(self) -> None:
         loop = self._driver_loop

@@ -110,23 +110,53 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, model_dir: Path, dtyp
                 )
             dest.copy_(tensor.to(dtype))
             filled.add(name)
-    expected = _expected_checkpoint_names(cfg)
+    expected = set(checkpoint_shapes(cfg))
     missing = sorted(expected - filled)
     if missing:
         raise ConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _expected_checkpoint_names(cfg: ModelConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight"}
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of ``cfg`` must hold, with its shape."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
-        names.add("lm_head.weight")
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
-        names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "input_layernorm.weight": (h,),
+                       p + "post_attention_layernorm.weight": (h,)})
         if cfg.attention_bias:
-            names |= {p + f"self_attn.{x}_proj.bias" for x in "qkv"}
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
         if cfg.qk_norm:
-            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-    return names
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
+    return shapes
+
+
+def check_checkpoint(cfg: ModelConfig, model_dir: Path) -> None:
+    """Compare the safetensors headers (no tensor is read) with what ``cfg`` needs, before a model of
+    ``cfg``'s size is allocated: a config.json that claims more than its weights hold is refused here."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir} has no *.safetensors weights")
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                for name in st.keys():
+                    found[name] = tuple(st.get_slice(name).get_shape())
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a bad header
+            raise ConfigError(f"{f} is not a readable safetensors file ({e}): download it again") from e
+    expected = checkpoint_shapes(cfg)
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise ConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise ConfigError(f"checkpoint tensor {name} has shape {found[name]}, but config.json says {shape}")

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mooncaked.engine.attention import AttentionMetadata, make_backend
 from mooncaked.engine.config import EngineConfig, ModelConfig
 from mooncaked.engine.kv_cache import KVCache
-from mooncaked.engine.loader import load_weights
+from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
-from mooncaked.engine.sampler import History, sample
+from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ class StepResult:
     num_tokens: int
     all_logits: dict[str, torch.Tensor]
     top_logprobs: dict[str, TopLogprobs]
+    errors: dict[str, str] = field(default_factory=dict)  # requests whose token could not be sampled, and why
 
 
 class ModelRunner:
@@ -47,6 +48,7 @@ class ModelRunner:
         scale = model_cfg.head_dim ** -0.5
         self.backend = make_backend(engine_cfg.attention_backend, self.device, self.block_size,
                                     model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, scale)
+        check_checkpoint(model_cfg, model_dir)  # before a model of the config's size is allocated
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len).to(dtype)
         self.model.rope.float()
@@ -71,13 +73,14 @@ class ModelRunner:
         tokens: dict[str, int] = {}
         logprobs: dict[str, float] = {}
         tops: dict[str, TopLogprobs] = {}
+        errors: dict[str, str] = {}
         if samplers:
             last = torch.tensor(
                 [i for i, s in zip(meta.cu_seqlens_q[1:].tolist(), batch) if s.samples], device=self.device
             ) - 1
             logits = self.model.compute_logits(hidden[last])
             params = [s.seq.params for s in samplers]
-            gens = [s.seq.generator for s in samplers]
+            gens = [self._generator_for(s) for s in samplers]
             # min_tokens: the (EOS and model-specific) stop ids cannot be chosen yet
             banned = [(s.seq.stop_ids | self.eos_token_ids) if len(s.seq.output_token_ids) < s.seq.params.min_tokens
                       else None for s in samplers]
@@ -86,6 +89,9 @@ class ModelRunner:
             out = sample(logits, params, gens, banned, histories)
             for k, s in enumerate(samplers):
                 rid = s.seq.request_id
+                if out.errors is not None and out.errors[k] is not None:
+                    errors[rid] = out.errors[k]
+                    continue
                 tokens[rid] = out.token_ids[k]
                 if out.logprobs is not None and out.logprobs[k] is not None:
                     logprobs[rid] = out.logprobs[k]
@@ -96,7 +102,16 @@ class ModelRunner:
             bounds = meta.cu_seqlens_q.tolist()
             for k, s in enumerate(batch):
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
-        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops)
+        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors)
+
+    @staticmethod
+    def _generator_for(s: ScheduledSeq) -> torch.Generator | None:
+        """A seeded request's generator, set for the token this step samples: the draw depends on
+        (seed, position) only, so the instance that samples it does not matter."""
+        gen = s.seq.generator
+        if gen is not None and s.seq.params.seed is not None:
+            gen.manual_seed(draw_seed(s.seq.params.seed, s.seq.num_tokens))
+        return gen
 
     def _prepare(self, batch: list[ScheduledSeq]):
         bs = self.block_size

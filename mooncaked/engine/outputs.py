@@ -25,13 +25,14 @@ class Output:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (``error`` says what went wrong)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     compute_s: float = 0.0  # engine step time of the steps this request took part in
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    error: str | None = None  # with finish_reason "error": why this request failed (the engine serves on)
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,10 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API: the sampler's top-k of the log-probs is cheap, a long list is not
+# below this a temperature only sharpens the distribution into its argmax, while dividing the logits by it
+# overflows float32 (1e-40 turned every logit into inf and the probabilities into NaN): such rows are greedy
+TEMPERATURE_FLOOR = 1e-5
+MAX_SEED = (1 << 64) - 1  # torch.Generator takes 64-bit seeds
 
 
 class RequestError(ValueError):
@@ -16,7 +20,7 @@ class RequestError(ValueError):
 class SamplingParams:
     max_tokens: int = 64
     min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens are out
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or anything below TEMPERATURE_FLOOR) means greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -37,25 +41,25 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        if not _integer(self.max_tokens) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _finite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _integer(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise RequestError(f"seed must be a non-negative integer, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise RequestError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError("stop must be a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or any(not _integer(t) or t < 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers")
-        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not _integer(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
@@ -69,12 +73,16 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < TEMPERATURE_FLOOR
 
     @property
     def penalized(self) -> bool:
         """Whether the logits change with the tokens seen so far (the sampler then needs them)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _finite(v: object) -> bool:

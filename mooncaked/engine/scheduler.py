@@ -58,7 +58,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence wherever it is and give its blocks back."""
+        """End a sequence wherever it is and give its blocks back (a ``hold_blocks`` sequence keeps
+        them when it completed: its KV is still wanted; not when it was aborted or failed)."""
         if seq.finished:
             return
         seq.finish_reason = reason
@@ -67,7 +68,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        if not (seq.hold_blocks and reason != "abort"):
+        if not (seq.hold_blocks and reason not in ("abort", "error")):
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:

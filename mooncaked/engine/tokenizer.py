@@ -55,7 +55,9 @@ class Tokenizer:
         return self.token_id(self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt tokenized
+        # in a conductor thread must not stall the event loop that answers heartbeats
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.token_id(self.bos_token)
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos] + ids

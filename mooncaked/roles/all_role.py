@@ -109,7 +109,12 @@ async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future) -
 
 async def run_all_role(cfg: AllConfig) -> int:
     ctx = multiprocessing.get_context("spawn")
+    from mooncaked.security import Security
     from mooncaked.tasks import spawn
+
+    # the children get the same settings (files, not contents) and read them themselves; reading them
+    # here first makes a bad file one line before any child starts
+    security = Security.from_config(cfg)
 
     notify, notify_at = _parent_socket()
     conductor_ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -132,13 +137,15 @@ async def run_all_role(cfg: AllConfig) -> int:
     told = await _conductor_accepting(conductor_ready, stopping, children)
     if told is not None:
         m = re.search(r"HTTP on (\S+)", told.get("STATUS", ""))
+        # under TLS, mooncakectl needs the same files (and --api-key for generate, when one is set)
+        tls = f" --tls-cert {cfg.tls_cert} --tls-key {cfg.tls_key} --tls-ca {cfg.tls_ca}" if security.tls else ""
         http = m.group(1) if m else str(cfg.http)
         print(f"mooncaked all: conductor on {conductor}, HTTP on {http} ({len(children)} processes, model "
-              f"{cfg.model}); requests wait until a prefill and a decode are ready\n"
-              f"  try: mooncakectl --conductor {conductor} status\n"
-              f"       mooncakectl --conductor {conductor} generate \"What is the capital of France?\"",
+              f"{cfg.model}; security: {security.mode}); requests wait until a prefill and a decode are ready\n"
+              f"  try: mooncakectl --conductor {conductor}{tls} status\n"
+              f"       mooncakectl --conductor {conductor}{tls} generate \"What is the capital of France?\"",
               flush=True)
-        ready = await _wait_ready(conductor, stopping, children)
+        ready = await _wait_ready(conductor, stopping, children, security)
         if ready is not None:
             names = ", ".join(f"{i.name} at {i.address}" for i in ready.instances)
             print(f"mooncaked all: cluster ready ({names})", flush=True)
@@ -185,13 +192,13 @@ async def _conductor_accepting(conductor_ready: asyncio.Future, stopping: asynci
     return None
 
 
-async def _wait_ready(conductor: str, stopping: asyncio.Event, children):
+async def _wait_ready(conductor: str, stopping: asyncio.Event, children, security):
     """Until the conductor reports a serving prefill and decode instance: its Status reply, or None."""
     import grpc
 
     from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 
-    async with grpc.aio.insecure_channel(conductor) as ch:
+    async with security.channel(conductor) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
         start = time.monotonic()
         while not stopping.is_set():

@@ -1,10 +1,19 @@
-"""`mooncaked --role prefill|decode`: load the model, open the data plane, serve, register, drain."""
+"""`mooncaked --role prefill|decode`: load the model, open the data plane, serve, register, drain.
+
+Two ways out, both bounded: SIGTERM/SIGINT drains (up to drain_timeout_s), aborts what is left
+and exits 0; a dead engine driver (a bug: request errors never kill it) turns gRPC health
+NOT_SERVING and heartbeats DEAD (the conductor stops routing here), then exits 1 so systemd's
+Restart=on-failure starts a fresh process. Past drain_timeout_s + STOP_MARGIN_S after either
+begins, the process ends even if a step or a peer hangs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +26,7 @@ from mooncaked.roles.kv_push import KV_REGION
 from mooncaked.roles.membership import Membership
 from mooncaked.roles.pool_cache import PoolCache
 from mooncaked.rpc import RoleServer, sd_notify
+from mooncaked.security import Security
 from mooncaked.startup import listening
 from mooncaked.tasks import spawn
 from mooncaked.roles.worker import WorkerService
@@ -26,13 +36,17 @@ log = logging.getLogger(__name__)
 
 _ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
 _MEDIUM = {"cpu": "dram"}
+# what shutdown may take past the drain: aborting, leaving the cluster, closing servers and the data plane
+STOP_MARGIN_S = 5.0
+DEREGISTER_TIMEOUT_S = 2.0
 
 
 async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     loop = asyncio.get_running_loop()
+    security = Security.from_config(cfg)  # TLS and the cluster secret, read once, before anything slow
     backend = "tcp" if cfg.transfer_backend == "auto" else cfg.transfer_backend
     transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port,
-                              rate_limit_bytes_per_s=cfg.transfer_rate_limit)
+                              rate_limit_bytes_per_s=cfg.transfer_rate_limit, token=security.token)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     engine = await loop.run_in_executor(
@@ -41,7 +55,9 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     with listening("--transfer-listen", cfg.transfer_listen):
         await transfer.start()
     service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push)
-    server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"])
+    if cfg.debug_kill_engine_after_steps:
+        engine.layer_hook = _dying_hook(engine.layer_hook, cfg.debug_kill_engine_after_steps)
+    server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"], security=security)
     engine_pb2_grpc.add_EngineServicer_to_server(service, server.server)
     port = await server.start()
     address = f"{cfg.advertise_address.host}:{port}"
@@ -49,7 +65,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     # HOST:0, as under --role all, learns it only now); the pool's segments are named after it too
     cfg = dataclasses.replace(cfg, name=cfg.instance_name(port))
     service.name = cfg.name
-    store = await _start_store_client(cfg, transfer) if cfg.store is not None else None
+    store = await _start_store_client(cfg, transfer, security) if cfg.store is not None else None
     if store is not None:
         service.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
@@ -70,24 +86,34 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
                                               events=events, decode_samples=samples[-64:])
 
-    membership = Membership(str(cfg.conductor), register, heartbeat, cfg.heartbeat_interval_s)
+    membership = Membership(str(cfg.conductor), register, heartbeat, cfg.heartbeat_interval_s, security)
     tasks = [spawn(membership.run(), "membership"), spawn(service.expire_reservations(), "reservations")]
     server.install_signal_handlers()
-    print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}",
-          flush=True)
+    print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}; "
+          f"security: {security.mode}", flush=True)
     sd_notify("READY=1")
-    await server.stopping.wait()
+    exit_code = await _until_stop_or_death(server, engine, membership, cfg.name)
 
-    # drain: take no new work, finish what is in flight, leave the cluster, exit 0
+    # drain: take no new work, finish what is in flight, abort the rest, leave the cluster
     sd_notify("STOPPING=1")
-    log.info("%s draining (up to %.0fs)", cfg.name, cfg.drain_timeout_s)
+    _exit_hard_after(cfg.drain_timeout_s + STOP_MARGIN_S, cfg.name)
     service.draining = True
-    deadline = time.monotonic() + cfg.drain_timeout_s
-    while not service.idle() and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    if not service.idle():
-        log.warning("%s: drain timeout; aborting what is left", cfg.name)
-    await membership.deregister(cfg.name)
+    if engine.driver_failure is None:
+        log.info("%s draining (up to %.0fs)", cfg.name, cfg.drain_timeout_s)
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        while not service.idle() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if not service.idle():
+            log.warning("%s: drain timeout; aborting what is left", cfg.name)
+            engine.abort_all()
+            for _ in range(10):  # the handlers answer their callers as the aborts land
+                if service.idle():
+                    break
+                await asyncio.sleep(0.1)
+    try:
+        await asyncio.wait_for(membership.deregister(cfg.name), DEREGISTER_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        log.warning("%s: the conductor did not answer Deregister in %.0fs", cfg.name, DEREGISTER_TIMEOUT_S)
     for t in tasks:
         t.cancel()
     await server.stop(1.0)
@@ -97,17 +123,76 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         await store.close()
     await transfer.close()
     log.info("%s stopped", cfg.name)
-    return 0
+    return exit_code
 
 
-async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine):
+async def _until_stop_or_death(server: RoleServer, engine: Engine, membership: Membership, name: str) -> int:
+    """Serve until a signal (then 0) or the engine's driver dies (then 1, once the conductor was told)."""
+    died = asyncio.Event()
+    engine.on_driver_death = lambda exc: died.set()
+    if engine.driver_failure is not None:
+        died.set()
+    stop, death = asyncio.ensure_future(server.stopping.wait()), asyncio.ensure_future(died.wait())
+    await asyncio.wait([stop, death], return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    death.cancel()
+    if not died.is_set():
+        return 0
+    log.critical("%s: the engine driver died (%r); reporting NOT_SERVING and DEAD, then exiting 1 for a restart",
+                 name, engine.driver_failure)
+    sd_notify("STATUS=engine driver died; exiting for a restart")
+    await server.not_serving()
+    # heartbeats now say DEAD: give two of them the chance to reach the conductor (it stops routing here
+    # at the first), unless a signal asks us to go at once
+    try:
+        await asyncio.wait_for(server.stopping.wait(), 2 * membership.interval_s)
+    except asyncio.TimeoutError:
+        pass
+    return 1
+
+
+def _exit_hard_after(seconds: float, name: str) -> None:
+    """The bound on shutdown: a daemon thread ends the process if the orderly path has not by then
+    (a stuck model step, a peer that never answers); Python's exit would otherwise wait for them."""
+
+    def exit_now() -> None:
+        log.error("%s: shutdown took over %.0fs; exiting now", name, seconds)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
+class DebugEngineFault(BaseException):
+    """Raised by --debug-kill-engine-after-steps. A BaseException on purpose: the engine's step fails
+    only its requests for an Exception; this one escapes it, as a bug would, and kills the driver."""
+
+
+def _dying_hook(inner, steps: int):
+    """A layer hook that lets ``steps`` engine steps run, then raises DebugEngineFault in the next."""
+    seen = 0
+
+    def hook(layer: int, seqs) -> None:
+        nonlocal seen
+        if layer == 0:
+            seen += 1
+            if seen > steps:
+                raise DebugEngineFault(f"--debug-kill-engine-after-steps {steps}: killing the engine driver")
+        if inner is not None:
+            inner(layer, seqs)
+
+    return hook
+
+
+async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine, security: Security):
     """Join the KV pool; a store master that stays unreachable leaves us serving without it.
 
     Not fatal: a cluster's processes start in any order, so the master may come up after us.
     One warning says so (naming --store); the rest of the retries are quiet."""
     from mooncaked.store import StoreClient, StoreClientConfig, StoreError
 
-    store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer)
+    store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer, security=security)
     for attempt in range(30):
         try:
             await store.start()

@@ -53,6 +53,7 @@ class KVPush:
     block_table: list[int] = field(default_factory=list)
     started: float | None = None  # perf_counter of the first push
     seconds: float = 0.0  # first push to last byte acknowledged  # the prefill's blocks for the request, last seen
+    closed: bool = False  # set by stop(): no further write starts
 
     def __post_init__(self) -> None:
         self.pushed = [0] * self.local.num_layers
@@ -78,6 +79,8 @@ class KVPush:
         self.loop.call_soon_threadsafe(self._submit, ops)
 
     def _submit(self, ops: list[TransferOp]) -> None:
+        if self.closed:  # the request ended: its decode blocks may be freed, nothing more may land there
+            return
         if self.started is None:
             self.started = time.perf_counter()
         self.tasks.append(asyncio.ensure_future(self.transfer.submit(ops)))
@@ -94,6 +97,22 @@ class KVPush:
             for t in self.tasks:
                 if not t.done():
                     t.cancel()
+
+    async def stop(self, timeout_s: float) -> bool:
+        """No write starts after this; the ones in flight are awaited (acknowledged by the decode
+        instance or failed) up to ``timeout_s``, then cancelled. True when every write has ended
+        before the timeout: only then may the decode instance free the blocks they target."""
+        self.closed = True  # _submit runs on this loop: from here on it starts nothing
+        pending = [t for t in self.tasks if not t.done()]
+        if not pending:
+            return True
+        done, late = await asyncio.wait(pending, timeout=timeout_s)
+        for t in late:
+            t.cancel()
+        for t in done:
+            if not t.cancelled():
+                t.exception()  # retrieved: a failed push of an ended request is expected, not an error
+        return not late
 
     @property
     def complete(self) -> bool:

@@ -12,6 +12,7 @@ import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RPC_TIMEOUT_S
+from mooncaked.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -20,23 +21,32 @@ MAX_PENDING_EVENTS = 100_000
 
 class Membership:
     def __init__(self, conductor: str, register: Callable[[], conductor_pb2.RegisterRequest],
-                 heartbeat: Callable[[], conductor_pb2.HeartbeatRequest], interval_s: float) -> None:
+                 heartbeat: Callable[[], conductor_pb2.HeartbeatRequest], interval_s: float,
+                 security: Security | None = None) -> None:
         self.conductor = conductor
         self._register = register
         self._heartbeat = heartbeat
         self.interval_s = interval_s
-        self.channel = grpc.aio.insecure_channel(conductor, options=CHANNEL_OPTIONS)
+        self.channel = (security or Security()).channel(conductor, options=CHANNEL_OPTIONS)
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.registered = False
         self._pending_events: list[common_pb2.KVEvent] = []
         self._warned = False
+        self._refused = ""  # the conductor's last refusal, logged once until it changes
 
     async def run(self) -> None:
         while True:
             try:
                 await self._beat()
             except grpc.aio.AioRpcError as e:
-                if self.registered:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS):
+                    # a wrong secret, or our name still held by a live instance elsewhere (a restart
+                    # at a new address, before the old one is counted dead): say so once, keep trying
+                    level = logging.DEBUG if e.details() == self._refused else logging.WARNING
+                    self._refused = e.details() or ""
+                    log.log(level, "conductor %s refused us (%s): %s; retrying", self.conductor, e.code().name,
+                            e.details())
+                elif self.registered:
                     log.warning("heartbeat to %s failed: %s", self.conductor, e.code().name)
                 elif not self._warned:  # once: a conductor that starts after us, or restarts, is normal
                     self._warned = True

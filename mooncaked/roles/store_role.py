@@ -6,6 +6,7 @@ import logging
 
 from mooncaked.config import HostPort, StoreConfig, StorePolicyConfig
 from mooncaked.rpc import sd_notify
+from mooncaked.security import Security
 from mooncaked.startup import listening
 from mooncaked.store.records import Policy
 from mooncaked.store.service import MasterRunner
@@ -21,7 +22,8 @@ def policy_of(cfg: StorePolicyConfig) -> Policy:
 
 async def run_store_role(cfg: StoreConfig) -> int:
     fast_port = None if cfg.store_fast_path_port < 0 else cfg.store_fast_path_port
-    runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port)
+    security = Security.from_config(cfg)
+    runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port, security=security)
     # gRPC's bind names --listen itself; an OSError here is the fast path's port (the process then exits)
     with listening("--store-fast-path-port", HostPort(cfg.listen.host, cfg.store_fast_path_port)):
         port = await runner.start()
@@ -29,7 +31,7 @@ async def run_store_role(cfg: StoreConfig) -> int:
     address = f"{cfg.advertise_address.host}:{port}"
     fast = runner.service.fast_path_port
     print(f"mooncaked store {cfg.instance_name(port)}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
-          f"fast path {f'on port {fast}' if fast else 'off'})", flush=True)
+          f"fast path {f'on port {fast}' if fast else 'off'}); security: {security.mode}", flush=True)
     sd_notify("READY=1")
     await runner.server.stopping.wait()
 

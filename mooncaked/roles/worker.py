@@ -12,13 +12,14 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
 
 from mooncaked.engine import Engine, Output, RequestError, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
-from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.engine.llm_engine import EngineStoppedError, StepSeq
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from mooncaked.roles.convert import (layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto,
                                      top_from_proto, top_to_proto)
@@ -28,9 +29,15 @@ from mooncaked.transfer import TransferEngine, TransferError
 
 log = logging.getLogger(__name__)
 
-RESERVATION_TTL_S = 60.0
+# a reservation lives this long past its last Reserve/Renew: the conductor renews it while the prefill that
+# writes it runs, so only a conductor that died (or lost this instance) leaves one to expire
+RESERVATION_TTL_S = 30.0
 PREFILL_TIMEOUT_S = 600.0
 PUSH_TIMEOUT_S = 60.0
+# Abort on a prefill instance answers once the request's KV pushes have stopped, or after this long
+ABORT_WAIT_S = 10.0
+# ids of aborted requests remembered, so a Reserve or Prefill that arrives after its Abort is refused
+ABORTED_REMEMBERED = 4096
 
 
 @dataclass
@@ -43,7 +50,7 @@ class Reservation:
 
 class WorkerService(engine_pb2_grpc.EngineServicer):
     def __init__(self, name: str, role: str, engine: Engine, transfer: TransferEngine, model_id: str,
-                 kv_push: str = "layerwise", store=None) -> None:
+                 kv_push: str = "layerwise", store=None, reservation_ttl_s: float = RESERVATION_TTL_S) -> None:
         self.name = name
         self.role = role
         self.engine = engine
@@ -54,7 +61,10 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         self.started = time.monotonic()
         self.draining = False
         self.reserved: dict[str, Reservation] = {}
+        self.reservation_ttl_s = reservation_ttl_s
         self.pushes: dict[str, KVPush] = {}
+        self.prefill_ended: dict[str, asyncio.Event] = {}  # set once a prefill's pushes have stopped
+        self.aborted: OrderedDict[str, None] = OrderedDict()
         self.queued_prefill_tokens = 0
         self.inflight = 0
         self.pool = PoolCache(store, engine, model_id) if store is not None else None
@@ -71,8 +81,17 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         if self.role != role:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{self.name} is a {self.role} instance; this call needs a {role} instance")
+        if self.engine.driver_failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{self.name}'s engine stopped ({self.engine.driver_failure!r}); it is restarting")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is draining and takes no new work")
+
+    def _error_status(self) -> grpc.StatusCode:
+        """A request that failed alone (its logits were NaN, its step raised) is INTERNAL: the engine
+        serves on and a retry would fail alike. One failed by a dead engine is UNAVAILABLE: the
+        conductor marks us dead and tries another instance."""
+        return grpc.StatusCode.UNAVAILABLE if self.engine.driver_failure is not None else grpc.StatusCode.INTERNAL
 
     def endpoint(self) -> common_pb2.TransferEndpoint:
         info = self.transfer.info()
@@ -84,10 +103,16 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
     def idle(self) -> bool:
         return not self.reserved and not self.pushes and self.inflight == 0 and not self.engine.has_work()
 
+    def _remember_abort(self, request_id: str) -> None:
+        self.aborted[request_id] = None
+        self.aborted.move_to_end(request_id)
+        while len(self.aborted) > ABORTED_REMEMBERED:
+            self.aborted.popitem(last=False)
+
     async def expire_reservations(self) -> None:
-        """A reservation whose Decode never comes (conductor died, client left) is given back."""
+        """A reservation whose Decode never comes and that nobody renews (conductor died) is given back."""
         while True:
-            await asyncio.sleep(5.0)
+            await asyncio.sleep(min(5.0, self.reservation_ttl_s / 4))
             now = time.monotonic()
             for rid, res in list(self.reserved.items()):
                 if res.expires < now:
@@ -106,15 +131,34 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request.request_id in self.reserved or not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be non-empty and unused")
+        if request.request_id in self.aborted:
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {request.request_id!r} was aborted")
         if len(prompt) >= self.engine.max_model_len:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt of {len(prompt)} tokens exceeds the context of {self.engine.max_model_len}")
+        bm = self.engine.block_manager
+        if bm.blocks_needed(len(prompt)) > bm.num_blocks:
+            # OUT_OF_RANGE, not RESOURCE_EXHAUSTED: waiting for room would never end
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                                f"{self.name} can never hold {len(prompt)} tokens of KV: it has "
+                                f"{bm.num_blocks * self.layout.block_size} in all (--kv-cache-bytes)")
         blocks = await self.engine.call(self.engine.reserve, len(prompt))
         if blocks is None:
+            # "no room now": the conductor waits for blocks to free and asks again
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{self.name} has no free KV blocks for {len(prompt)} tokens now")
-        self.reserved[request.request_id] = Reservation(blocks, prompt, params, time.monotonic() + RESERVATION_TTL_S)
-        return engine_pb2.ReserveReply(block_ids=blocks, endpoint=self.endpoint(), layout=layout_to_proto(self.layout))
+        self.reserved[request.request_id] = Reservation(blocks, prompt, params,
+                                                        time.monotonic() + self.reservation_ttl_s)
+        return engine_pb2.ReserveReply(block_ids=blocks, endpoint=self.endpoint(), layout=layout_to_proto(self.layout),
+                                       ttl_s=self.reservation_ttl_s)
+
+    async def Renew(self, request, context):
+        """The prefill writing this reservation still runs: keep its blocks another TTL."""
+        res = self.reserved.get(request.request_id)
+        if res is None:
+            return engine_pb2.RenewReply(found=False)
+        res.expires = time.monotonic() + self.reservation_ttl_s
+        return engine_pb2.RenewReply(found=True, ttl_s=self.reservation_ttl_s)
 
     async def Decode(self, request, context):
         res = self.reserved.pop(request.request_id, None)
@@ -134,9 +178,14 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
             except RequestError as e:
                 await self.engine.call(self.engine.unreserve, res.blocks)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except EngineStoppedError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
             while not finished:
                 out = await queue.get()
                 finished = out.finished
+                if out.finish_reason == "error":
+                    await context.abort(self._error_status(),
+                                        f"{self.name} could not decode request {request.request_id}: {out.error}")
                 n = len(out.new_token_ids)
                 lps = out.logprobs[-n:] if out.logprobs and n else []
                 tops = [top_to_proto(t) for t in out.top_logprobs[-n:]] if out.top_logprobs and n else []
@@ -177,7 +226,12 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         # the prefill samples only the first token; min_tokens still keeps it from being EOS
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         imported = await self.pool.fetch_prefix(prompt) if self.pool is not None else []
+        if rid in self.aborted:  # its Abort overtook it: no byte may go to the decode blocks it names
+            if imported:
+                await self.engine.call(self.engine.unreserve, imported)
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {rid!r} was aborted")
         self.pushes[rid] = push
+        ended = self.prefill_ended[rid] = asyncio.Event()
         self.queued_prefill_tokens += len(prompt)
         self.inflight += 1
         added = False
@@ -189,9 +243,17 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 if imported:
                     await self.engine.call(self.engine.unreserve, imported)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            out = await asyncio.wait_for(first, PREFILL_TIMEOUT_S)
+            except EngineStoppedError as e:  # UNAVAILABLE: the conductor retries on another prefill
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {e}")
+            try:
+                out = await asyncio.wait_for(first, PREFILL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"{self.name} did not finish prefilling {rid} in {PREFILL_TIMEOUT_S:.0f}s")
             if out.finish_reason == "abort":
                 await context.abort(grpc.StatusCode.CANCELLED, "prefill was aborted")
+            if out.finish_reason == "error":
+                await context.abort(self._error_status(), f"{self.name} could not prefill {rid}: {out.error}")
             try:
                 await push.wait(PUSH_TIMEOUT_S)
             except (TransferError, asyncio.TimeoutError) as e:
@@ -212,22 +274,43 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                 compute_s=out.compute_s, push_bytes=push.bytes_sent, push_s=push.seconds, first_top_logprobs=top,
             )
         finally:
-            self.pushes.pop(rid, None)
             self.inflight -= 1
             self.queued_prefill_tokens -= len(prompt)
-            if added:
-                if not first.done():
+            try:
+                if added and not first.done():
                     self.engine.abort(rid)  # the caller went away mid-prefill
-                await self.engine.call(self.engine.release, rid)
+                # no write to the decode's blocks starts or stays in flight once this handler ends
+                if not await push.stop(PUSH_TIMEOUT_S):
+                    log.warning("KV pushes of %s to %s did not end within %.0fs; cancelled", rid, push.peer,
+                                PUSH_TIMEOUT_S)
+                self.pushes.pop(rid, None)
+                if added:
+                    await self.engine.call(self.engine.release, rid)
+            finally:
+                self.prefill_ended.pop(rid, None)
+                ended.set()
 
     # -- common ---------------------------------------------------------------------------
     async def Abort(self, request, context):
-        res = self.reserved.pop(request.request_id, None)
+        """Stop a request wherever it is. The id is remembered, so a Reserve or Prefill that arrives
+        after its Abort (a cancelled call still in flight) is refused. On a prefill instance the answer
+        waits until the request's KV pushes have stopped (``ended``): only then may the conductor free
+        the decode blocks they write."""
+        rid = request.request_id
+        self._remember_abort(rid)
+        res = self.reserved.pop(rid, None)
         if res is not None:
             await self.engine.call(self.engine.unreserve, res.blocks)
-            return engine_pb2.AbortReply(found=True)
-        self.engine.abort(request.request_id)
-        return engine_pb2.AbortReply(found=request.request_id in self.pushes)
+            return engine_pb2.AbortReply(found=True, ended=True)
+        self.engine.abort(rid)
+        ended = self.prefill_ended.get(rid)
+        if ended is None:
+            return engine_pb2.AbortReply(found=False, ended=True)
+        try:
+            await asyncio.wait_for(ended.wait(), ABORT_WAIT_S)
+        except asyncio.TimeoutError:
+            log.warning("prefill %s still pushing %.0fs after its abort", rid, ABORT_WAIT_S)
+        return engine_pb2.AbortReply(found=True, ended=ended.is_set())
 
     def load(self) -> common_pb2.InstanceLoad:
         return load_to_proto(self.engine.stats(), self.queued_prefill_tokens)
@@ -238,6 +321,9 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                                      uptime_s=time.monotonic() - self.started, model_id=self.model_id)
 
     def state(self) -> int:
+        """What heartbeats report: DEAD once the engine's driver died (the conductor stops routing here)."""
+        if self.engine.driver_failure is not None:
+            return common_pb2.INSTANCE_STATE_DEAD
         return common_pb2.INSTANCE_STATE_DRAINING if self.draining else common_pb2.INSTANCE_STATE_SERVING
 
     async def Drain(self, request, context):

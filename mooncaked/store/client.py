@@ -24,10 +24,12 @@ import torch
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
+from mooncaked.security import Security
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
+from mooncaked.store.fast_wire import RequestTooBig
 from mooncaked.store.hints import Hint, Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
@@ -94,10 +96,13 @@ class StoreClientConfig:
 class StoreClient:
     """One process's handle on the KV pool; `await start()` before use, `await close()` after."""
 
-    def __init__(self, config: StoreClientConfig, transfer: TransferEngine | None = None) -> None:
+    def __init__(self, config: StoreClientConfig, transfer: TransferEngine | None = None,
+                 security: Security | None = None) -> None:
         self.config = config
+        self.security = security or Security()  # TLS and the cluster token toward the master
         self._own_transfer = transfer is None
-        self.transfer = transfer or TransferEngine(backend=config.transfer_backend, host="127.0.0.1", port=0)
+        self.transfer = transfer or TransferEngine(backend=config.transfer_backend, host="127.0.0.1", port=0,
+                                                   token=self.security.token)
         self._channel: grpc.aio.Channel | None = None
         self.stub: store_pb2_grpc.StoreMasterStub | None = None
         self.dram: DramSegment | None = None
@@ -135,7 +140,7 @@ class StoreClient:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+            self._channel = self.security.channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
             self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread)
@@ -195,14 +200,20 @@ class StoreClient:
         """One metadata call: on the fast path when the master offers it, else (or while it is down) gRPC."""
         fast = self._fast
         if fast is not None and not fast.closed:
-            return await fast.call(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
+            try:
+                return await fast.call(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
+            except RequestTooBig:  # over the fast path's frame limit: this one goes by gRPC
+                return await self._grpc_reply(what, fn(request, timeout=self.config.rpc_timeout_s))
         return await (await self._send(what, fn, request))
 
     async def _send(self, what: str, fn: Callable[..., Awaitable[T]], request) -> Awaitable[T]:
         """Put a metadata call on the wire now; the returned awaitable gives its reply."""
         fast = self._fast if self._fast is not None and not self._fast.closed else await self._open_fast()
         if fast is not None:
-            return fast.send(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
+            try:
+                return fast.send(what, request, self.config.rpc_timeout_s)  # type: ignore[return-value]
+            except RequestTooBig:  # over the fast path's frame limit: this one goes by gRPC
+                pass
         return self._grpc_reply(what, fn(request, timeout=self.config.rpc_timeout_s))  # the call starts here
 
     @staticmethod
@@ -232,11 +243,13 @@ class StoreClient:
                 self._fast = None
                 if reply.fast_path_unix and reply.host_id == host_id():  # same host: the cheaper socket
                     try:
-                        self._fast = await FastChannel.connect(host, 0, timeout, unix=reply.fast_path_unix)
+                        self._fast = await FastChannel.connect(host, 0, timeout, unix=reply.fast_path_unix,
+                                                               token=self.security.token)
                     except StoreUnavailable as e:
                         logger.info("store client %s: %s; using TCP", self.config.client_id, e)
                 if self._fast is None:
-                    self._fast = await FastChannel.connect(host, reply.fast_path_port, timeout)
+                    self._fast = await FastChannel.connect(host, reply.fast_path_port, timeout,
+                                                           token=self.security.token)
                 self._places.follow(reply.master_epoch)
                 self._fast_backoff = FAST_RETRY_S
                 return self._fast

@@ -1,7 +1,9 @@
 """The client end of the master's fast path: one multiplexed connection, calls matched by id.
 
 A call that times out gives up its id (a late reply is dropped); a lost connection fails
-every call waiting on it with StoreUnavailable, and the owner opens a new channel.
+every call waiting on it with StoreUnavailable, and the owner opens a new channel. With the
+cluster secret the connection proves it (mooncaked.transfer.handshake) before its greeting;
+a channel idle for a while closes itself before the master's idle timeout could cut it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,19 @@ from typing import Any
 from google.protobuf.message import Message
 
 from mooncaked.store.errors import StoreUnavailable, from_status
-from mooncaked.store.fast_wire import HELLO, METHODS, REPLY, FrameError, pack_request, read_frames
+from mooncaked.store.fast_wire import (
+    HELLO,
+    MAX_REQUEST_BYTES,
+    METHODS,
+    REPLY,
+    FrameError,
+    RequestTooBig,
+    pack_request,
+    read_frames,
+)
+from mooncaked.transfer.api import TransferError
+from mooncaked.transfer.conn_guard import CLIENT_IDLE_CLOSE_S
+from mooncaked.transfer.handshake import AUTH_MAGIC, HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +50,11 @@ class _Protocol(asyncio.Protocol):
         try:
             frames, used = read_frames(self._buf, REPLY)
         except FrameError as e:
-            self._channel.fail(f"the master broke the fast-path protocol: {e}")
+            if self._buf.startswith(AUTH_MAGIC):
+                self._channel.fail("the master requires the cluster secret (it opened with the handshake): "
+                                   "give this client the cluster token file")
+            else:
+                self._channel.fail(f"the master broke the fast-path protocol: {e}")
             return
         for f in frames:
             self._channel.resolve(f.call_id, f.tag, f.body)
@@ -56,10 +74,17 @@ class FastChannel:
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = False
+        self._calls = 0  # calls written: the idle check compares it between its ticks
+        self._idle_mark = -1
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_s = CLIENT_IDLE_CLOSE_S
 
     @classmethod
-    async def connect(cls, host: str, port: int, timeout_s: float, unix: str = "") -> FastChannel:
-        """To the master's fast path at host:port, or at the Unix socket `unix` ("@name": abstract)."""
+    async def connect(cls, host: str, port: int, timeout_s: float, unix: str = "",
+                      token: bytes | None = None, idle_s: float = CLIENT_IDLE_CLOSE_S) -> FastChannel:
+        """To the master's fast path at host:port, or at the Unix socket `unix` ("@name": abstract);
+        with `token` (the cluster secret) the master and we prove it to each other first. Idle for
+        `idle_s` (within twice that), the channel closes itself; the owner opens another."""
         channel = cls(f"unix:{unix}" if unix else f"{host}:{port}")
         loop = asyncio.get_running_loop()
         try:
@@ -72,15 +97,40 @@ class FastChannel:
                     except BaseException:
                         sock.close()
                         raise
+                elif token is not None:
+                    sock = await open_socket(host, port)
+                if token is not None:
+                    sock = await authenticated(sock, token, f"the store master's fast path at {channel.address}",
+                                               HANDSHAKE_TIMEOUT_S)
+                if unix:
                     transport, _ = await loop.create_unix_connection(lambda: _Protocol(channel), sock=sock)
+                elif token is not None:
+                    transport, _ = await loop.create_connection(lambda: _Protocol(channel), sock=sock)
                 else:
                     transport, _ = await loop.create_connection(lambda: _Protocol(channel), host, port)
+        except TransferError as e:  # the handshake failed: the message says how
+            raise StoreUnavailable(str(e)) from None
         except (OSError, TimeoutError) as e:
             raise StoreUnavailable(f"cannot reach the store master's fast path at {channel.address}: {e}") from None
         channel._transport = transport  # type: ignore[assignment]
         channel._loop = loop
         transport.write(HELLO)
+        channel._idle_s = idle_s
+        channel._idle_timer = loop.call_later(idle_s, channel._check_idle)
         return channel
+
+    def _check_idle(self) -> None:
+        """Close the channel if no call went out since the last tick and none is waiting (the
+        owner opens a new one for the next call)."""
+        self._idle_timer = None
+        if self.closed:
+            return
+        if not self._pending and self._calls == self._idle_mark:
+            self.fail(f"closed after {self._idle_s:g}s or more without a call")
+            return
+        self._idle_mark = self._calls
+        assert self._loop is not None
+        self._idle_timer = self._loop.call_later(self._idle_s, self._check_idle)
 
     async def call(self, method: str, request: Message, timeout_s: float) -> Message:
         """The reply, or the typed StoreError the master answered (or StoreUnavailable).
@@ -109,7 +159,10 @@ class FastChannel:
                timeout_s: float) -> tuple[int, asyncio.Future[tuple[int, bytes]], asyncio.TimerHandle]:
         if self.closed or self._transport is None:
             raise StoreUnavailable(f"store master fast path {self.address} is closed")
-        call_id = next(self._ids) & 0xFFFFFFFF
+        if len(body) + len(method) > MAX_REQUEST_BYTES:
+            raise RequestTooBig(f"{method}: a request of {len(body)} bytes is over the fast path's "
+                                f"{MAX_REQUEST_BYTES}-byte limit")
+        call_id = self._calls = next(self._ids) & 0xFFFFFFFF
         loop = self._loop
         assert loop is not None
         fut: asyncio.Future[tuple[int, bytes]] = loop.create_future()
@@ -151,6 +204,9 @@ class FastChannel:
             return
         self.closed = True
         logger.info("store fast path %s: %s", self.address, why)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self._transport is not None:
             self._transport.abort()
         err = StoreUnavailable(f"store master fast path {self.address}: {why}")

@@ -6,6 +6,12 @@ that turns `abort` into a status on the reply frame. A handler that answers at o
 see service._now: nearly all of them) is answered inside `data_received`, no task scheduled,
 which is a good part of a round trip's cost in Python; the rest (a get waiting for a
 promotion) run as tasks, concurrently, and their replies go out as they finish.
+
+With a cluster secret, a connection must first pass the handshake of
+mooncaked.transfer.handshake: until then no byte is taken as a greeting or a frame. Every
+connection is bounded as the transfer port's are (mooncaked.transfer.conn_guard): a cap, a
+handshake deadline, an idle timeout, and a half-received frame dropped when it is not complete
+within FAST_PATH_LIMITS.partial_timeout_s; a frame's size is checked from its header.
 """
 
 from __future__ import annotations
@@ -25,8 +31,14 @@ from google.protobuf.message import Message
 
 from mooncaked.store.errors import StoreError
 from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, Frame, FrameError, pack_reply, read_frames
+from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
+from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake, check_token
 
 logger = logging.getLogger(__name__)
+
+FAST_PATH_LIMITS = ConnLimits(max_connections=256, max_unproven=64, idle_timeout_s=300.0, partial_timeout_s=10.0)
+"""One connection per store client is the usual; a frame is at most ~1 MB (fast_wire), so ten
+seconds is plenty to finish one, and 256 half frames hold at most ~290 MB."""
 
 
 class AbortError(Exception):
@@ -61,6 +73,10 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._peer = "?"
         self._tasks: set[asyncio.Task] = set()
+        self._frames = 0  # frames taken: the watch's measure of progress
+        self._handshake: ServerHandshake | None = None  # while the peer has not proven the secret
+        self._watch: ConnWatch | None = None
+        self._closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -68,15 +84,63 @@ class _Connection(asyncio.Protocol):
         if sock is not None and sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
-        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "a local client (unix socket)"
-        self._server.connections.add(self)
+        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local client (unix socket)"
+        server = self._server
+        refused = admit(server.limits, len(server.connections), server.unproven, server.token is not None)
+        if refused is not None:
+            logger.warning("refused store fast-path connection from %s: %s", self._peer, refused)
+            self._closed = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        server.connections.add(self)
+        if server.token is not None:
+            self._handshake = ServerHandshake(server.token)
+            server.unproven += 1
+            transport.write(self._handshake.challenge)  # type: ignore[attr-defined]
+        self._watch = ConnWatch(server.limits, server.token is None, self._progress, self._partial, self._drop)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
         self._server.connections.discard(self)
+        if self._handshake is not None:
+            self._handshake = None
+            self._server.unproven -= 1
+        if self._watch is not None:
+            self._watch.cancel()
         for t in self._tasks:
             t.cancel()
 
+    def _progress(self) -> int:
+        return self._frames
+
+    def _partial(self) -> bool:
+        return bool(self._buf) or not self._greeted
+
+    def _drop(self, why: str) -> None:
+        """The watch's verdict: close now, whatever is buffered or queued."""
+        if not self._closed:
+            logger.warning("closing store fast-path connection from %s: %s", self._peer, why)
+            self.abort()
+
+    def _prove(self) -> bool:
+        """The handshake answer is the first ANSWER_BYTES of the buffer: True once proven."""
+        assert self._handshake is not None and self._transport is not None and self._watch is not None
+        try:
+            proof = self._handshake.verify(self._buf[:ANSWER_BYTES])
+        except HandshakeError as e:
+            logger.warning("refused store fast-path connection from %s: %s", self._peer, e)
+            self.abort()
+            return False
+        del self._buf[:ANSWER_BYTES]
+        self._handshake = None
+        self._server.unproven -= 1
+        self._watch.proven = True
+        self._transport.write(proof)
+        return True
+
     def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
         try:
             if self._greeted and not self._buf:  # the usual case: whole frames, nothing left over
                 frames, used = read_frames(data, REQUEST)
@@ -85,6 +149,9 @@ class _Connection(asyncio.Protocol):
                     self._buf += data[used:]
                 return
             self._buf += data
+            if self._handshake is not None:
+                if len(self._buf) < ANSWER_BYTES or not self._prove():
+                    return
             if not self._greeted:
                 if len(self._buf) < len(HELLO):
                     return
@@ -100,6 +167,7 @@ class _Connection(asyncio.Protocol):
             self.close()
 
     def _answer(self, frames: list[Frame]) -> None:
+        self._frames += len(frames)
         for f in frames:
             answer = self._server.answer(f.body[:f.tag].decode("ascii", "replace"), f.body[f.tag:], f.timeout_ms)
             if isinstance(answer, tuple):
@@ -120,16 +188,30 @@ class _Connection(asyncio.Protocol):
             self._transport.write(pack_reply(call_id, *answer))
 
     def close(self) -> None:
+        self._closed = True
+        self._buf = bytearray()
         if self._transport is not None:
             self._transport.close()
+
+    def abort(self) -> None:
+        self._closed = True
+        self._buf = bytearray()
+        if self._transport is not None:
+            self._transport.abort()
 
 
 class FastPathServer:
     """Serves a StoreService's unary methods on a plain TCP port, and for clients on this host on a
-    Unix socket too (Linux abstract namespace: nothing to clean up; a round trip costs less there)."""
+    Unix socket too (Linux abstract namespace: nothing to clean up; a round trip costs less there).
 
-    def __init__(self, service: Any) -> None:
+    `token`: the cluster secret each connection must prove first (None: no handshake);
+    `limits`: the cap and timeouts of its connections."""
+
+    def __init__(self, service: Any, token: bytes | None = None, limits: ConnLimits | None = None) -> None:
         self.service = service
+        self.token = check_token(token)
+        self.limits = limits or FAST_PATH_LIMITS
+        self.unproven = 0  # connections still in the handshake
         self.connections: set[_Connection] = set()
         self._servers: list[asyncio.base_events.Server] = []
         self.port = 0

@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import RoleServer
+from mooncaked.security import Security
 from mooncaked.tasks import spawn
 from mooncaked.transfer import host_id
 from mooncaked.store import convert, metrics
@@ -370,9 +371,11 @@ class MasterRunner:
     """
 
     def __init__(self, policy: Policy, listen: str = "127.0.0.1:0", tick_s: float = TICK_S,
-                 fast_path_port: int | None = 0, fast_path_unix: bool = True) -> None:
+                 fast_path_port: int | None = 0, fast_path_unix: bool = True,
+                 security: Security | None = None) -> None:
         self.service = StoreService(policy)
-        self.server = RoleServer(listen, [SERVICE_NAME])
+        self.security = security or Security()  # mutual TLS and the cluster token on gRPC
+        self.server = RoleServer(listen, [SERVICE_NAME], security=self.security)
         store_pb2_grpc.add_StoreMasterServicer_to_server(self.service, self.server.server)
         self._listen_host = listen.rsplit(":", 1)[0].strip("[]") or "127.0.0.1"
         self._fast_port = fast_path_port
@@ -388,7 +391,7 @@ class MasterRunner:
     async def start(self) -> int:
         port = await self.server.start()
         if self._fast_port is not None:
-            self.fast_path = FastPathServer(self.service)
+            self.fast_path = FastPathServer(self.service, token=self.security.token)
             self.service.fast_path_port = await self.fast_path.start(self._listen_host, self._fast_port,
                                                                      unix=self._fast_unix)
             self.service.fast_path_unix = self.fast_path.unix_name

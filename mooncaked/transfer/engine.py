@@ -6,6 +6,11 @@ backend, Mooncake's engine. It validates every op locally before any byte
 moves, runs each peer's share of a batch concurrently, and reports the first
 failure (with a note counting the others) only after every op has finished
 or been aborted, so a failed submit leaves nothing in flight.
+
+Given the cluster secret (`token`), every tcp connection in and out opens
+with the handshake of handshake.py, and the control query (INFO) is answered
+only after it; its answer names regions, sizes and shm segments, and raw
+memory addresses only for the rdma backends, whose peers need them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -30,6 +36,8 @@ from mooncaked.transfer.api import (
     TransferError,
     TransferOp,
 )
+from mooncaked.transfer.conn_guard import ConnLimits
+from mooncaked.transfer.handshake import check_token
 from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.rdma import MooncakeTransport
 from mooncaked.transfer.regions import Region, RegionTable
@@ -53,7 +61,11 @@ class TransferEngine:
         rate_limit_bytes_per_s: float | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        token: bytes | None = None,
+        limits: ConnLimits | None = None,
     ) -> None:
+        """`token`: the cluster secret every peer must prove (None: no handshake, for loopback
+        clusters); `limits`: the incoming connections' cap and timeouts (conn_guard.ConnLimits)."""
         if backend not in BACKENDS:
             raise TransferError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
         if connections_per_peer < 1:
@@ -65,8 +77,10 @@ class TransferEngine:
         self._timeout_s = timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._limiter = TokenBucket(rate_limit_bytes_per_s) if rate_limit_bytes_per_s else None
+        self._token = check_token(token)
         self._regions = RegionTable()
-        self._server = TcpServer(self._regions, self.info, self._limiter)
+        self._limits = limits or ConnLimits()  # peers are assumed to run with the same
+        self._server = TcpServer(self._regions, self.peer_info, self._limiter, self._token, self._limits)
         self._pools: dict[str, PeerPool] = {}
         self._peer_infos: dict[str, PeerInfo] = {}
         self._host_id = host_id()
@@ -149,6 +163,15 @@ class TransferEngine:
         """What peers learn about this engine through the control query."""
         regions = {i.name: i for i in self._regions.infos()}
         return PeerInfo(self._host_id, regions, self._rdma.session if self._rdma else None)
+
+    def peer_info(self) -> PeerInfo:
+        """What the control query answers a peer: `info` less what the peer cannot use. Region base
+        addresses (where our memory sits, which helps an exploit) go only to rdma peers, who name
+        raw addresses in their one-sided ops; tcp and shm peers address regions by name."""
+        info = self.info()
+        if self._rdma is not None:
+            return info
+        return PeerInfo(info.host_id, {n: replace(r, address=0) for n, r in info.regions.items()}, None)
 
     def stats(self) -> EngineStats:
         conns = list(self._server.connections)
@@ -283,7 +306,8 @@ class TransferEngine:
     def _pool(self, peer: str) -> PeerPool:
         pool = self._pools.get(peer)
         if pool is None:
-            pool = PeerPool(peer, self._conns_per_peer, self._connect_timeout_s, self._limiter)
+            pool = PeerPool(peer, self._conns_per_peer, self._connect_timeout_s, self._limiter, self._token,
+                            self._limits.client_idle_s)
             self._pools[peer] = pool
         return pool
 

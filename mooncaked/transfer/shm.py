@@ -11,14 +11,23 @@ word says whether the owner still has the region (LIVE) or dropped it
 (DEAD, written before the unlink). A peer that mapped the segment reads the
 word from its own mapping before each batch, which costs no syscall; for a
 segment without a trailer (made by an older owner) it asks the filesystem.
+
+Trust boundary: a segment is a file of mode 0600 owned by the engine's user,
+so any process of that same user on this host can map it (as it could ptrace
+the engine anyway), and no other user can; the cluster secret does not guard
+this path. A peer maps only a regular file it owns that nobody else may
+open, never through a symlink: a file planted in the world-writable /dev/shm
+under one of our names is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
 import socket
+import stat
 import uuid
 from dataclasses import dataclass
 
@@ -31,17 +40,19 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mooncaked-"
 PAGE = mmap.PAGESIZE
+SEGMENT_MODE = 0o600
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def host_id() -> str:
-    """Names this host (and boot) so two engines can tell they share /dev/shm."""
+    """Names this host (and boot) so two engines can tell they share /dev/shm. Peers only compare
+    it, so the boot id goes out as a digest (the host name stays: errors name it)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{hashlib.sha256(boot.encode()).hexdigest()[:16]}"
 
 
 def shm_available() -> bool:
@@ -100,8 +111,9 @@ def create_segment(nbytes: int) -> ShmSegment:
     shm_name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path = _path(shm_name)
     at = _trailer_at(nbytes)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
     try:
+        os.fchmod(fd, SEGMENT_MODE)  # exactly owner read/write, whatever the umask took away
         try:
             os.posix_fallocate(fd, 0, at + PAGE)
         except OSError as e:
@@ -144,11 +156,15 @@ class ShmAttachments:
         if att is not None and att.nbytes >= nbytes:
             return att
         try:
-            fd = os.open(_path(shm_name), os.O_RDWR)
+            fd = os.open(_path(shm_name), os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError as e:
             raise _gone(shm_name) from e
+        except OSError as e:  # ELOOP: a symlink planted under our name
+            raise TransferError(f"refusing shm segment {shm_name}: {e.strerror or e}") from e
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            check_private(shm_name, st)
+            size = st.st_size
             if size < nbytes:
                 raise TransferError(f"shm segment {shm_name} has {size} bytes, peer said {nbytes}")
             at = _trailer_at(nbytes)
@@ -178,6 +194,18 @@ class ShmAttachments:
 
     def close(self) -> None:
         self._maps.clear()
+
+
+def check_private(shm_name: str, st: os.stat_result) -> None:
+    """Refuse a segment that is not a regular file of ours that only we may open."""
+    if not stat.S_ISREG(st.st_mode):
+        raise TransferError(f"refusing shm segment {shm_name}: not a regular file")
+    if st.st_uid != os.geteuid():
+        raise TransferError(f"refusing shm segment {shm_name}: owned by uid {st.st_uid}, not ours "
+                            f"({os.geteuid()}); peers sharing memory must run as one user")
+    if st.st_mode & 0o077:
+        raise TransferError(f"refusing shm segment {shm_name}: mode {stat.S_IMODE(st.st_mode):04o} lets "
+                            f"others open it (segments are {SEGMENT_MODE:04o})")
 
 
 def _gone(shm_name: str) -> PeerUnavailableError:

@@ -4,7 +4,10 @@ Requests go out back to back; responses come back in order. Write payloads
 are handed to the transport as memoryview slices of the source region; read
 payloads are received straight into the destination slice by get_buffer.
 Any timeout or stream error aborts the connection and fails what was queued
-on it, so nothing is left half done.
+on it, so nothing is left half done. An idle connection retires itself
+(`idle_s`, see conn_guard.ConnLimits.client_idle_s): the pool hands it out no more and opens a
+fresh one when needed, and it closes once idle for another period. So the
+server's longer idle timeout never cuts a connection a request is put on.
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ class ClientConnection(asyncio.BufferedProtocol):
     order), so the hot path sets no timer per op.
     """
 
-    def __init__(self, peer: str, limiter: TokenBucket | None, on_closed: Callable[[ClientConnection], None]) -> None:
+    def __init__(self, peer: str, limiter: TokenBucket | None, on_closed: Callable[[ClientConnection], None],
+                 idle_s: float) -> None:
         self.peer = peer
+        self._idle_s = idle_s
         self.outstanding_bytes = 0  # payload bytes sent or queued and not yet answered
         self._loop = asyncio.get_running_loop()
         self._limiter = limiter
@@ -97,10 +102,19 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._status = Status.OK
         self._body: bytearray | None = None
         self._error: TransferError | None = None
+        self._last_req = 0  # the latest request id: the idle check compares it between its ticks
+        self._idle_mark = -1
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.retired = False  # idle for a while: the pool no longer hands it out
 
     @property
     def closed(self) -> bool:
         return self._state == _CLOSED
+
+    @property
+    def gone(self) -> bool:
+        """Not to be handed out again: closed, or retired for being idle."""
+        return self.retired or self._state == _CLOSED
 
     # -- asyncio callbacks -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -109,6 +123,23 @@ class ClientConnection(asyncio.BufferedProtocol):
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
+        self._idle_timer = self._loop.call_later(self._idle_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Idle since the last tick (no request sent, none waiting): retire it, and if it was
+        retired already, close it (whoever took it from the pool before it retired has used
+        it by now, or that use would have shown as activity)."""
+        self._idle_timer = None
+        if self.closed:
+            return
+        if not self._pending and not self._send_lock.locked() and self._last_req == self._idle_mark:
+            if self.retired:
+                logger.debug("closing idle transfer connection to %s", self.peer)
+                self.abort(PeerUnavailableError(f"connection to {self.peer} closed after being idle"))
+                return
+            self.retired = True
+        self._idle_mark = self._last_req
+        self._idle_timer = self._loop.call_later(self._idle_s, self._check_idle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         reason = self._error or PeerUnavailableError(
@@ -257,7 +288,7 @@ class ClientConnection(asyncio.BufferedProtocol):
     def _enqueue(self, op: WireOp, timeout_s: float) -> tuple[asyncio.Future[bytes | None], bytes]:
         """Book an op as sent (its deadline starts now); its future and request header."""
         future: asyncio.Future[bytes | None] = self._loop.create_future()
-        req_id = next(self._ids)
+        req_id = self._last_req = next(self._ids)
         deadline = self._loop.time() + timeout_s
         self._pending.append(_Pending(req_id, op.op, op.length, op.dest, future, timeout_s, deadline))
         self.outstanding_bytes += op.length
@@ -320,6 +351,9 @@ class ClientConnection(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self._can_write.set()  # wake senders so they see the error
         self.outstanding_bytes = 0
         while self._pending:

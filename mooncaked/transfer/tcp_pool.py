@@ -6,7 +6,8 @@ NIC, the flows' protocol work lands on several cores). Each connection
 pipelines its share. A single op (one put/get) takes the least loaded
 connection and, if that one is idle, goes onto the wire synchronously with
 no lock, task or gather. A connection that failed is dropped and the next
-submit opens a fresh one.
+submit opens a fresh one. With a cluster secret each connection proves it
+(handshake.py) before the pool hands it out.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import logging
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, PeerUnavailableError, TransferError, TransferOp, parse_address
+from mooncaked.transfer.conn_guard import CLIENT_IDLE_CLOSE_S
+from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.tcp_client import ClientConnection, WireOp
@@ -27,26 +30,39 @@ logger = logging.getLogger(__name__)
 class PeerPool:
     """Up to `size` persistent connections to one peer, opened on demand."""
 
-    def __init__(self, peer: str, size: int, connect_timeout_s: float, limiter: TokenBucket | None) -> None:
+    def __init__(self, peer: str, size: int, connect_timeout_s: float, limiter: TokenBucket | None,
+                 token: bytes | None = None, idle_s: float = CLIENT_IDLE_CLOSE_S) -> None:
         self.peer = peer
         self.size = size
         self._connect_timeout_s = connect_timeout_s
         self._limiter = limiter
+        self._token = token
+        self._idle_s = idle_s  # a connection idle this long is retired (tcp_client.py)
         self.conns: list[ClientConnection] = []
+        self._retired: set[ClientConnection] = set()  # idle ones no longer handed out; they close themselves
         self._lock = asyncio.Lock()
 
     def _forget(self, conn: ClientConnection) -> None:
         if conn in self.conns:
             self.conns.remove(conn)
+        self._retired.discard(conn)
 
     async def _connect(self) -> ClientConnection:
         host, port = parse_address(self.peer)
         loop = asyncio.get_running_loop()
+        factory = lambda: ClientConnection(self.peer, self._limiter, self._forget, self._idle_s)  # noqa: E731
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                _, conn = await loop.create_connection(
-                    lambda: ClientConnection(self.peer, self._limiter, self._forget), host, port
-                )
+                if self._token is None:
+                    _, conn = await loop.create_connection(factory, host, port)
+                else:
+                    sock = await authenticated(await open_socket(host, port), self._token, f"transfer peer {self.peer}",
+                                               HANDSHAKE_TIMEOUT_S)
+                    try:
+                        _, conn = await loop.create_connection(factory, sock=sock)
+                    except BaseException:
+                        sock.close()
+                        raise
         except TimeoutError as e:
             raise PeerUnavailableError(
                 f"connecting to transfer peer {self.peer} timed out after {self._connect_timeout_s}s; "
@@ -64,7 +80,7 @@ class PeerPool:
         opened, else None. The steady state, answered without the lock or a
         coroutine; the list is live: use it before awaiting anything."""
         conns = self.conns
-        if len(conns) < min(want or self.size, self.size) or self._lock.locked() or any(c.closed for c in conns):
+        if len(conns) < min(want or self.size, self.size) or self._lock.locked() or any(c.gone for c in conns):
             return None
         return conns
 
@@ -77,7 +93,8 @@ class PeerPool:
         if conns is not None:
             return list(conns)
         async with self._lock:
-            self.conns = [c for c in self.conns if not c.closed]
+            self._retired.update(c for c in self.conns if c.gone and not c.closed)
+            self.conns = [c for c in self.conns if not c.gone]
             missing = min(want or self.size, self.size) - len(self.conns)
             if missing > 0:
                 tasks = [asyncio.ensure_future(self._connect()) for _ in range(missing)]
@@ -97,9 +114,10 @@ class PeerPool:
             return list(self.conns)
 
     def close(self) -> None:
-        for conn in list(self.conns):
+        for conn in [*self.conns, *self._retired]:
             conn.abort(PeerUnavailableError(f"transfer engine closed its connection to {self.peer}"))
         self.conns.clear()
+        self._retired.clear()
 
 
 async def run_ops(pool: PeerPool, ops: list[WireOp], timeout_s: float) -> list[BaseException | bytes | None]:

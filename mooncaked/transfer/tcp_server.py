@@ -6,6 +6,11 @@ of the destination region itself, so the kernel's recv lands the bytes in
 place. Read payloads go out as memoryview slices of the source region
 (writelines, no copy on uvloop). Anything that is not our protocol closes
 that one connection with a logged reason; the server keeps serving others.
+
+With a cluster secret, a connection starts in the handshake (handshake.py):
+get_buffer hands out exactly the answer's bytes, so no byte of a request is
+even read before the peer proved the secret. Every connection is bounded by
+conn_guard: a cap per server, and a timer that drops one that stalls or idles.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import cast
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, ProtocolError, TransferError
+from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
+from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake
 from mooncaked.transfer.ratelimit import CHUNK_BYTES, TokenBucket
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.wire import (
@@ -44,7 +51,7 @@ the loop to come round (measured ~10-20 us less per 512 KiB op). Answers
 after it in the same turn still gather into one writelines, so pipelined
 batches keep one wakeup of the initiator per turn (acking every big op at
 once cost 64-256 KiB batches 15-30% of their throughput on loopback)."""
-_HEADER, _PAYLOAD, _DISCARD, _CLOSED = range(4)
+_HEADER, _PAYLOAD, _DISCARD, _CLOSED, _AUTH = range(5)
 
 
 class ServerConnection(asyncio.BufferedProtocol):
@@ -78,6 +85,9 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._sender: asyncio.Task[None] | None = None
+        self._rx = 0  # bytes received: the watch's measure of progress
+        self._handshake: ServerHandshake | None = None  # while the peer has not proven the secret
+        self._watch: ConnWatch | None = None
 
     # -- asyncio callbacks -------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -87,14 +97,33 @@ class ServerConnection(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         host, port = (transport.get_extra_info("peername") or ("?", "?"))[:2]
         self._peer = f"{host}:{port}"
+        server = self._server
+        token = server.token
+        refused = admit(server.limits, len(server.connections), server.unproven, token is not None)
+        if refused is not None:
+            logger.warning("refused transfer connection from %s: %s", self._peer, refused)
+            self._state = _CLOSED
+            self._transport.abort()
+            return
         self._transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
-        self._server.connections.add(self)
+        server.connections.add(self)
+        if token is not None:
+            self._handshake = ServerHandshake(token)
+            server.unproven += 1
+            self._state, self._target = _AUTH, memoryview(bytearray(ANSWER_BYTES))
+            self._transport.write(self._handshake.challenge)
+        self._watch = ConnWatch(server.limits, token is None, self._progress, self._partial, self._drop)
         if self._server.limiter is not None:
             self._sender = self._loop.create_task(self._send_paced())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._state = _CLOSED
         self._server.connections.discard(self)
+        if self._handshake is not None:
+            self._handshake = None
+            self._server.unproven -= 1
+        if self._watch is not None:
+            self._watch.cancel()
         if self._sender is not None:
             self._sender.cancel()
         logger.debug("transfer connection from %s closed (%s)", self._peer, exc)
@@ -119,6 +148,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         return self._target[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._rx += nbytes
         try:
             self._advance(nbytes)
         except ProtocolError as e:
@@ -156,6 +186,33 @@ class ServerConnection(asyncio.BufferedProtocol):
                 self._answer_error(self._req, self._error)
                 self._error = None
                 self._expect_header()
+        elif state == _AUTH:
+            self._filled += nbytes
+            if self._filled == ANSWER_BYTES:
+                self._prove()
+
+    def _prove(self) -> None:
+        """The peer's handshake answer is in: prove ourselves and serve, or close without a word."""
+        assert self._handshake is not None and self._transport is not None and self._watch is not None
+        try:
+            proof = self._handshake.verify(self._target)
+        except HandshakeError as e:
+            logger.warning("refused transfer connection from %s: %s", self._peer, e)
+            self._state = _CLOSED
+            self._transport.abort()
+            return
+        self._handshake = None
+        self._server.unproven -= 1
+        self._watch.proven = True
+        self._transport.write(proof)
+        self._expect_header()
+
+    def _progress(self) -> int:
+        return self._rx
+
+    def _partial(self) -> bool:
+        """A request half received (its header, or a write's payload still coming in)."""
+        return self._state in (_PAYLOAD, _DISCARD) or (self._state == _HEADER and self._filled > 0)
 
     def _expect_header(self) -> None:
         self._state, self._target, self._filled = _HEADER, self._hdr_view, 0
@@ -200,7 +257,15 @@ class ServerConnection(asyncio.BufferedProtocol):
         if self._transport is not None:
             self._transport.abort()
 
+    def _drop(self, reason: str) -> None:
+        """The watch's verdict: close now, whatever is queued (the peer may not be reading)."""
+        if self._state != _CLOSED:
+            logger.warning("closing transfer connection from %s: %s", self._peer, reason)
+            self.abort()
+
     def _reject(self, reason: str) -> None:
+        if self._state == _CLOSED:
+            return
         logger.warning("closing transfer connection from %s: %s", self._peer, reason)
         self._state = _CLOSED
         if self._transport is not None:
@@ -264,11 +329,16 @@ class TcpServer:
         regions: RegionTable,
         info: Callable[[], PeerInfo],
         limiter: TokenBucket | None = None,
+        token: bytes | None = None,
+        limits: ConnLimits | None = None,
     ) -> None:
         self.regions = regions
-        self.info = info
+        self.info = info  # what INFO answers: only what a peer needs (see TransferEngine.peer_info)
         self.limiter = limiter
+        self.token = token  # the cluster secret peers must prove (handshake.py); None: no handshake
+        self.limits = limits or ConnLimits()
         self.connections: set[ServerConnection] = set()
+        self.unproven = 0  # connections still in the handshake
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:

@@ -24,6 +24,7 @@ from mooncaked.transfer.api import (
     TransferError,
     UnknownRegionError,
 )
+from mooncaked.transfer.handshake import AUTH_MAGIC
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,9 @@ def pack_response(status: Status, req_id: int, body_len: int) -> bytes:
 
 def unpack_response(header: bytes | bytearray | memoryview) -> tuple[Status, int, int]:
     magic, version, status, _, req_id, body_len = RESP.unpack(header)
+    if version != VERSION and bytes(header[: len(AUTH_MAGIC)]) == AUTH_MAGIC:
+        raise ProtocolError("the peer requires the cluster secret (it opened with the handshake): "
+                            "give this engine the same cluster token file as the peer")
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"bad response header (magic 0x{magic:08x}, version {version})")
     member = _STATUSES.get(status)

@@ -50,6 +50,12 @@ class TorchAttention:
         flat = tables.reshape(-1)
         keys = k_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
         values = v_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
+        # slots past a sequence's length (the rest of its last block, padding) hold whatever a freed block
+        # held: a masked score still multiplies its value, and 0 * NaN is NaN, so one request's broken KV
+        # would poison every later request handed its blocks. Zero them.
+        beyond = ~mask.view(nd, 1, -1, 1)
+        keys = keys.masked_fill(beyond, 0)
+        values = values.masked_fill(beyond, 0)
         # the query heads sharing a KV head become that head's "query positions"
         qg = q.view(nd, kh, self.group, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)

@@ -18,14 +18,30 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
-    __slots__ = ("block_ids", "endpoint", "layout")
+    __slots__ = ("block_ids", "endpoint", "layout", "ttl_s")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     endpoint: _common_pb2.TransferEndpoint
     layout: _common_pb2.KVLayout
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    ttl_s: float
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("found", "ttl_s")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    ttl_s: float
+    def __init__(self, found: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout")
@@ -100,10 +116,12 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AbortReply(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "ended")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    ended: bool
+    def __init__(self, found: _Optional[bool] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -50,6 +50,11 @@ class EngineStub:
                 request_serializer=mooncake_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_engine__pb2.TokenChunk.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/mooncake.v1.Engine/Renew',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.RenewRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.RenewReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/mooncake.v1.Engine/Abort',
                 request_serializer=mooncake_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -92,6 +97,13 @@ class EngineServicer:
 
     def Decode(self, request, context):
         """Decode: continue a reserved, prefilled request and stream its tokens.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Decode: keep a reservation alive while the prefill that writes it runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,6 +154,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=mooncake_dot_v1_dot_engine__pb2.DecodeRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_engine__pb2.TokenChunk.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.RenewRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.RenewReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -246,6 +263,33 @@ class Engine:
             '/mooncake.v1.Engine/Decode',
             mooncake_dot_v1_dot_engine__pb2.DecodeRequest.SerializeToString,
             mooncake_dot_v1_dot_engine__pb2.TokenChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/Renew',
+            mooncake_dot_v1_dot_engine__pb2.RenewRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,
