@@ -31,6 +31,7 @@ class Cluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
     conductor_port: int = 0
+    http: str = ""  # the conductor's HTTP base URL, once start_serving has run
 
     @property
     def conductor(self) -> str:
@@ -67,6 +68,19 @@ class Cluster:
         if role == "conductor":
             self.conductor_port = port
         return port
+
+    def start_serving(self, prefills: tuple[str, ...] = ("p1",), decodes: tuple[str, ...] = ("d1",),
+                      scheme: str = "http") -> "Cluster":
+        """The usual shape: a conductor with its HTTP front (``self.http``), then prefill and decode
+        instances; returns once they all serve."""
+        self.start("conductor", "conductor")
+        self.http = f"{scheme}://127.0.0.1:{self.http_port('conductor')}"
+        for name in prefills:
+            self.start(name, "prefill")
+        for name in decodes:
+            self.start(name, "decode")
+        self.wait_serving([*prefills, *decodes])
+        return self
 
     def _printed_port(self, name: str, pattern: str, timeout_s: float = 120) -> int:
         deadline = time.monotonic() + timeout_s

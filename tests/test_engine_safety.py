@@ -229,12 +229,7 @@ def test_sampling_settings_that_are_not_numbers_are_refused():
 def cluster(llama, tmp_path_factory):
     c = Cluster(llama[1], tmp_path_factory.mktemp("safety-logs"))
     try:
-        c.start("conductor", "conductor")
-        c.http = f"http://127.0.0.1:{c.http_port('conductor')}"
-        c.start("p1", "prefill")
-        c.start("d1", "decode")
-        c.wait_serving(["p1", "d1"])
-        yield c
+        yield c.start_serving()
     finally:
         c.stop()
 

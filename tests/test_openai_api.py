@@ -27,12 +27,7 @@ def cluster(tiny_model_factory, tmp_path_factory):
     _, folder = tiny_model_factory("llama")
     c = Cluster(folder, tmp_path_factory.mktemp("openai-logs"))
     try:
-        c.start("conductor", "conductor", "--http", "127.0.0.1:0")
-        c.http = f"http://127.0.0.1:{c.http_port('conductor')}"
-        c.start("p1", "prefill")
-        c.start("d1", "decode")
-        c.wait_serving(["p1", "d1"])
-        yield c
+        yield c.start_serving()
     finally:
         c.stop()
 

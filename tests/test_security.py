@@ -134,12 +134,7 @@ def secure(tiny_model_factory, tmp_path_factory):
     try:
         store = f"127.0.0.1:{c.start('store', 'store')}"
         c.extra_env["MOONCAKED_STORE"] = store
-        c.start("conductor", "conductor")
-        c.http = f"https://127.0.0.1:{c.http_port('conductor')}"
-        c.start("p1", "prefill")
-        c.start("d1", "decode")
-        c.wait_serving(["p1", "d1"])
-        yield c
+        yield c.start_serving(scheme="https")
     finally:
         c.stop()
 
