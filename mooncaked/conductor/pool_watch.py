@@ -60,6 +60,7 @@ class PoolWatch:
     async def run(self) -> None:
         pause = self.retry_s
         failures = 0
+        followed = False  # a master that is not up yet at start (`--role all` starts both at once) is no news
         while True:
             try:
                 await self._follow()
@@ -71,13 +72,14 @@ class PoolWatch:
                 log.exception("pool watch on %s failed", self.store)
                 why, expected = f"{type(e).__name__}: {e}", False
             if self.synced:
-                pause, failures = self.retry_s, 0
+                pause, failures, followed = self.retry_s, 0, True
             dropped = self._lost(keep=expected)
             if expected:
                 log.debug("pool event stream reached its %.0fs deadline; resubscribing", self.stream_deadline_s)
                 continue
             failures += 1
-            log.log(logging.WARNING if failures == 1 else logging.INFO,
+            warn = failures == (1 if followed else 3)
+            log.log(logging.WARNING if warn else logging.INFO,
                     "no pool events from store master %s (%s)%s; resubscribing in %.1fs (attempt %d)", self.store,
                     why, "; the pool's blocks left the prefix index" if dropped else "", pause, failures)
             await asyncio.sleep(pause)
