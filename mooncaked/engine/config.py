@@ -91,20 +91,20 @@ class ModelConfig:
             )
         default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
         f = _Fields(cfg)
-        hidden = f.int("hidden_size", hi=MAX_DIM)
-        heads = f.int("num_attention_heads", hi=MAX_DIM)
-        kv_heads = f.int("num_key_value_heads", default=heads, hi=MAX_DIM)
+        hidden = f.integer("hidden_size", hi=MAX_DIM)
+        heads = f.integer("num_attention_heads", hi=MAX_DIM)
+        kv_heads = f.integer("num_key_value_heads", default=heads, hi=MAX_DIM)
         if heads % kv_heads:
             raise ConfigError(f"config.json field 'num_key_value_heads' ({kv_heads}) must divide "
                               f"num_attention_heads ({heads})")
         if cfg.get("head_dim") is None and hidden % heads:
             raise ConfigError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; set 'head_dim'")
-        head_dim = f.int("head_dim", default=hidden // heads, hi=MAX_DIM)
-        vocab = f.int("vocab_size", hi=MAX_VOCAB)
+        head_dim = f.integer("head_dim", default=hidden // heads, hi=MAX_DIM)
+        vocab = f.integer("vocab_size", hi=MAX_VOCAB)
         window = None
-        if f.bool("use_sliding_window", arch == "MistralForCausalLM"):
-            window = f.int("sliding_window", default=None, hi=MAX_POSITIONS)
-        bos = f.int("bos_token_id", default=None, lo=0, hi=vocab - 1)
+        if f.flag("use_sliding_window", arch == "MistralForCausalLM"):
+            window = f.integer("sliding_window", default=None, hi=MAX_POSITIONS)
+        bos = f.integer("bos_token_id", default=None, lo=0, hi=vocab - 1)
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         if any(isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < vocab for e in eos_list):
@@ -114,18 +114,18 @@ class ModelConfig:
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=f.int("intermediate_size", hi=MAX_DIM),
-            num_layers=f.int("num_hidden_layers", hi=MAX_LAYERS),
+            intermediate_size=f.integer("intermediate_size", hi=MAX_DIM),
+            num_layers=f.integer("num_hidden_layers", hi=MAX_LAYERS),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
             rope=_parse_rope(cfg),
-            max_position_embeddings=f.int("max_position_embeddings", default=2048, hi=MAX_POSITIONS),
-            tie_word_embeddings=f.bool("tie_word_embeddings", False),
-            attention_bias=f.bool("attention_bias", default_bias),
+            max_position_embeddings=f.integer("max_position_embeddings", default=2048, hi=MAX_POSITIONS),
+            tie_word_embeddings=f.flag("tie_word_embeddings", False),
+            attention_bias=f.flag("attention_bias", default_bias),
             qk_norm=qk_norm,
-            dtype=parse_dtype(f.str("torch_dtype") or f.str("dtype")),
+            dtype=parse_dtype(f.text("torch_dtype") or f.text("dtype")),
             bos_token_id=bos,
             eos_token_ids=tuple(eos_list),
             sliding_window=window,
@@ -147,7 +147,7 @@ class _Fields:
     def __init__(self, cfg: dict[str, Any]) -> None:
         self.cfg = cfg
 
-    def int(self, key: str, default: Any = _MISSING, lo: int = 1, hi: int = 1 << 62) -> Any:
+    def integer(self, key: str, default: Any = _MISSING, lo: int = 1, hi: int = 1 << 62) -> Any:
         value = self.cfg.get(key)
         if value is None:
             if default is self._MISSING:
@@ -157,13 +157,13 @@ class _Fields:
             raise ConfigError(f"config.json field {key!r} must be an integer in [{lo}, {hi}], got {value!r}")
         return value
 
-    def float(self, key: str, default: float) -> float:
+    def number(self, key: str, default: float) -> float:
         value = self.cfg.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e30:
             raise ConfigError(f"config.json field {key!r} must be a positive number, got {value!r}")
         return float(value)
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         value = self.cfg.get(key, default)
         if value is None:
             return default
@@ -171,7 +171,7 @@ class _Fields:
             raise ConfigError(f"config.json field {key!r} must be true or false, got {value!r}")
         return value
 
-    def str(self, key: str) -> str | None:
+    def text(self, key: str) -> str | None:
         value = self.cfg.get(key)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"config.json field {key!r} must be a string, got {value!r}")
@@ -190,12 +190,12 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
         raise ConfigError(f"unsupported rope type {rope_type!r} in 'rope_parameters'/'rope_scaling'")
     f = _Fields({**merged, "rope_theta": theta})
     return RopeConfig(
-        theta=f.float("rope_theta", 10000.0),
+        theta=f.number("rope_theta", 10000.0),
         rope_type=rope_type,
-        factor=f.float("factor", 1.0),
-        low_freq_factor=f.float("low_freq_factor", 1.0),
-        high_freq_factor=f.float("high_freq_factor", 4.0),
-        original_max_position_embeddings=f.int("original_max_position_embeddings", default=8192, hi=MAX_POSITIONS),
+        factor=f.number("factor", 1.0),
+        low_freq_factor=f.number("low_freq_factor", 1.0),
+        high_freq_factor=f.number("high_freq_factor", 4.0),
+        original_max_position_embeddings=f.integer("original_max_position_embeddings", default=8192, hi=MAX_POSITIONS),
     )
 
 
