@@ -420,7 +420,7 @@ async def test_kill_9_of_the_conductor_ends_streams_with_an_error_and_engines_re
     reconnected = min(r.start for r in records if r.front == "grpc" and r.ok and r.start > t["listening"])
     after = [r for r in records if r.start > (t["listening"] if r.front == "http" else reconnected)]
     _assert_all_ok(after, summary, "requests sent to the restarted conductor")
-    print(f"kill -9 conductor: {len(cut)} in-flight requests ended with {dict(Counter(r.error[0] for r in cut))}; "
+    print(f"kill -9 conductor: {len(cut)} in-flight requests ended with {dict(Counter(r.error[0] if r.error else 'completed' for r in cut))}; "
           f"restarted {t['restart'] - t['fault']:.1f} s after the kill, listening after "
           f"{t['listening'] - t['restart']:.1f} s, all engines registered again "
           f"{t['back'] - t['listening']:.1f} s later")
