@@ -51,7 +51,8 @@ ROLE_HELP: dict[str, str] = {
     "prefill": "an engine that computes prompts' KV cache and pushes it to a decode instance",
     "decode": "an engine that generates tokens from the KV cache a prefill pushed to it",
     "store": "the Mooncake Store master: where each block of the shared KV pool lives (metadata only)",
-    "all": "a whole cluster on this machine: conductor, store master, one prefill, one decode",
+    "all": "a whole cluster on this machine: conductor, store master, prefill and decode instances "
+           "(--prefill-instances, --decode-instances; one each by default)",
 }
 POLICY_HELP: dict[str, str] = {
     "random": "a random prefill and decode instance; ignores load and cache",
@@ -88,6 +89,13 @@ class HostPort(NamedTuple):
 
     def __str__(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+class HostPorts(tuple):
+    """Several addresses of one kind, in order (`--conductor A,B`); prints as `A,B`, as given."""
+
+    def __str__(self) -> str:
+        return ",".join(str(hp) for hp in self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +248,28 @@ def _address(*, listening: bool) -> Parser:
     return check
 
 
+def _addresses(parse: Parser) -> Parser:
+    """One or more addresses: `A,B` (a TOML list too), each checked by `parse`, none twice."""
+    def check(value: Any) -> HostPorts:
+        if isinstance(value, HostPort) or (isinstance(value, tuple) and len(value) == 2
+                                           and isinstance(value[0], str) and not isinstance(value, HostPorts)):
+            items: list[Any] = [value]
+        elif isinstance(value, str):
+            items = value.split(",")
+            if any(not item.strip() for item in items):
+                raise ValueError(f"expected HOST:PORT[,HOST:PORT...], got {value!r} (an empty entry)")
+        elif isinstance(value, (list, tuple)) and value:
+            items = list(value)
+        else:
+            raise ValueError(f"expected 'HOST:PORT[,HOST:PORT...]', got {type(value).__name__} {value!r}")
+        out = HostPorts(parse(item) for item in items)
+        for i, hp in enumerate(out):
+            if hp in out[:i]:
+                raise ValueError(f"{hp} is listed twice in {value!r}")
+        return out
+    return check
+
+
 def _optional(parse: Parser) -> Parser:
     """None stays None; so does the string 'none' (how env and flags unset a value)."""
     def check(value: Any) -> Any:
@@ -247,6 +277,63 @@ def _optional(parse: Parser) -> Parser:
             return None
         return parse(value)
     return check
+
+
+DEFAULT_ETCD_PREFIX = "/mooncaked/store"
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """Store masters that fail over (`--store A,B` or `--store etcd://E1,E2[/PREFIX]`): clients
+    follow the leader among `masters`, or the one etcd's leader key under `prefix` names
+    (mooncaked/store/master_link.py). A single HOST:PORT stays a HostPort: one master, as ever."""
+
+    masters: tuple[HostPort, ...] = ()
+    etcd: tuple[HostPort, ...] = ()
+    prefix: str = DEFAULT_ETCD_PREFIX
+
+    def __str__(self) -> str:
+        if self.etcd:
+            tail = "" if self.prefix == DEFAULT_ETCD_PREFIX else self.prefix
+            return "etcd://" + ",".join(str(e) for e in self.etcd) + tail
+        return ",".join(str(m) for m in self.masters)
+
+
+def _address_list(value: Any, what: str) -> tuple[HostPort, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    if not items or any(isinstance(i, str) and not i.strip() for i in items):
+        raise ValueError(f"expected {what} HOST:PORT[,HOST:PORT...], got {value!r} (an empty entry)")
+    out = tuple(_address(listening=False)(i) for i in items)
+    if len(set(out)) != len(out):
+        raise ValueError(f"an address is listed twice in {value!r}")
+    return out
+
+
+def _etcd_prefix(value: Any) -> str:
+    text = _str(value)
+    if not text.startswith("/") or text.endswith("/") or " " in text:
+        raise ValueError(f"expected a key prefix like /mooncaked/store (a leading '/', none at the end), got {value!r}")
+    return text
+
+
+def parse_store(value: Any) -> HostPort | StoreTarget:
+    """`HOST:PORT` (one master), `A,B` (masters that fail over) or `etcd://E1[,E2...][/PREFIX]`."""
+    if isinstance(value, StoreTarget):
+        return value
+    if isinstance(value, list):
+        return StoreTarget(masters=_address_list(value, "store masters")) if len(value) > 1 else \
+            _address(listening=False)(value[0] if value else "")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower().startswith("etcd://"):
+            hosts, slash, prefix = text[len("etcd://"):].partition("/")
+            return StoreTarget(etcd=_address_list(hosts, "etcd endpoints"),
+                               prefix=_etcd_prefix("/" + prefix) if slash else DEFAULT_ETCD_PREFIX)
+        if "://" in text:
+            raise ValueError(f"expected HOST:PORT, HOST:PORT,HOST:PORT or etcd://HOST:PORT[,...], got {value!r}")
+        if "," in text:
+            return StoreTarget(masters=_address_list(text, "store masters"))
+    return _address(listening=False)(value)
 
 
 def _setting(default: Any, parse: Parser, help: str, metavar: str | None = None, *, secret: bool = False) -> Any:
@@ -271,14 +358,17 @@ class RoleConfig:
     advertise_host: str | None = _setting(None, _optional(_str),
                                           "host others use to reach this instance (default: the listen "
                                           "host, or this machine's hostname when listening on all)", "HOST")
-    conductor: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=False),
-                                   "HOST:PORT of the conductor's gRPC server (where engines register)",
-                                   "HOST:PORT")
-    store: HostPort | None = _setting(None, _optional(_address(listening=False)),
-                                      "HOST:PORT of the store master: engines share its KV pool, the conductor "
-                                      "follows its pool events in the prefix index (default: none, no shared "
-                                      "KV pool; under --role all: a store master of its own)",
-                                      "HOST:PORT")
+    conductor: HostPorts = _setting(HostPorts([HostPort("127.0.0.1", 50051)]),
+                                    _addresses(_address(listening=False)),
+                                    "HOST:PORT of the conductor's gRPC server, where engines register; a comma "
+                                    "list for conductors side by side (an engine registers and heartbeats with "
+                                    "each)", "HOST:PORT[,...]")
+    store: HostPort | StoreTarget | None = _setting(
+        None, _optional(parse_store),
+        "HOST:PORT of the store master: engines share its KV pool, the conductor follows its pool events in the "
+        "prefix index; masters that fail over: etcd://ETCD:PORT[,...] (the leader etcd names) or a list "
+        "MASTER:PORT,MASTER:PORT (the one that says it leads), followed as the leader moves (default: none, no "
+        "shared KV pool; under --role all: a store master of its own)", "HOST:PORT")
     block_size: int = _setting(16, _at_least(_int, 1), "tokens per KV block (one value per cluster)", "N")
     hash_seed: int = _setting(0, _at_least(_int, 0), "seed of the block hash chain (one value per cluster)", "N")
     cache_dir: str | None = _setting(None, _optional(_str),
@@ -512,6 +602,16 @@ class StoreConfig(StorePolicyConfig):
     role: str = _setting("store", _choice(ROLES), "the role this process plays", "ROLE")
     listen: HostPort = _setting(HostPort("127.0.0.1", 50052), _address(listening=True),
                                 "HOST:PORT of this role's gRPC server", "HOST:PORT")
+    etcd: tuple[HostPort, ...] | None = _setting(
+        None, _optional(lambda v: _address_list(v, "etcd endpoints")),
+        "HOST:PORT[,HOST:PORT...] of etcd: this master campaigns there for the leadership and the others stand by "
+        "(clients follow with --store etcd://...) (default: none, a single master)", "HOST:PORT[,...]")
+    etcd_lease_ttl_s: int = _setting(2, _at_least(_int, 1),
+                                     "seconds of this master's etcd lease: a leader that dies is replaced about "
+                                     "this long after; etcd raises it to its minimum (1.5 election timeouts)", "S")
+    etcd_prefix: str = _setting(DEFAULT_ETCD_PREFIX, _etcd_prefix,
+                                "etcd key prefix of this cluster's store masters (the leader key is "
+                                "PREFIX/leader)", "PREFIX")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -523,6 +623,10 @@ class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
     listen: HostPort = _setting(HostPort("127.0.0.1", 50051), _address(listening=True),
                                 "HOST:PORT of the conductor's gRPC server (the store master and the engines "
                                 "listen on free ports of the same host)", "HOST:PORT")
+    prefill_instances: int = _setting(1, _at_least(_int, 1), "prefill instances to start, each a process with "
+                                      "its own ports, name and LMDB subfolder", "N")
+    decode_instances: int = _setting(1, _at_least(_int, 1), "decode instances to start, each a process with its "
+                                     "own ports, name and LMDB subfolder", "N")
 
 
 ROLE_CLASSES: dict[str, type[RoleConfig]] = {

@@ -5,8 +5,10 @@
     mooncakectl drain|undrain INSTANCE   stop / resume routing new work to an instance (name or HOST:PORT)
     mooncakectl store [--json]           the KV pool per segment and tier (the master is found via the conductor)
 
-The conductor is found at --conductor (env MOONCAKED_CONDUCTOR, default 127.0.0.1:50051). On a
-secured cluster give the same files as the daemons: --tls-cert/--tls-key/--tls-ca and
+The conductor is found at --conductor (env MOONCAKED_CONDUCTOR, default 127.0.0.1:50051); with
+conductors side by side list them, --conductor A,B: each command goes to the first that answers
+(drain and undrain to every one that answers, so none keeps an instance drained that another
+freed). On a secured cluster give the same files as the daemons: --tls-cert/--tls-key/--tls-ca and
 --cluster-token-file (env MOONCAKED_TLS_CERT, ...), and --api-key for `generate` when one is set.
 """
 
@@ -17,6 +19,7 @@ import difflib
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -28,6 +31,7 @@ from mooncaked.startup import StartupError
 
 TIMEOUT_S = 10.0
 CONNECT_CHECK_S = 1.0  # after an UNAVAILABLE: is the peer down, or did it answer UNAVAILABLE itself?
+CONNECT_S = 3.0  # with several conductors listed: how long one that is not the last gets to connect
 DEFAULT_CONDUCTOR = "127.0.0.1:50051"
 _STATES = {common_pb2.INSTANCE_STATE_STARTING: "starting", common_pb2.INSTANCE_STATE_SERVING: "serving",
            common_pb2.INSTANCE_STATE_DRAINING: "draining", common_pb2.INSTANCE_STATE_DEAD: "dead"}
@@ -77,16 +81,48 @@ def _tls_failed(e: grpc.RpcError) -> bool:
                                                                                   "tls"))
 
 
+class _NoAnswer(CtlError):
+    """The conductor did not serve the call (down, TLS refused, not answering, shutting down): with
+    several listed, the next one is asked."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def _conductor_error(e: grpc.RpcError, channel: grpc.Channel, address: str, timeout: float) -> CtlError:
     if _tls_failed(e):
-        return CtlError(f"TLS with the conductor at {address} failed ({e.details()}): give --tls-cert, --tls-key "
-                        "and --tls-ca signed by the cluster's CA (or MOONCAKED_TLS_CERT, ...)")
+        return _NoAnswer(f"TLS with the conductor at {address} failed ({e.details()}): give --tls-cert, --tls-key "
+                         "and --tls-ca signed by the cluster's CA (or MOONCAKED_TLS_CERT, ...)", "TLS failed")
     if e.code() == grpc.StatusCode.UNAVAILABLE and _down(channel, e):
-        return CtlError(f"no conductor answers at {address} (is mooncaked running? point --conductor HOST:PORT "
-                        "or MOONCAKED_CONDUCTOR at its gRPC address)")
+        return _NoAnswer(f"no conductor answers at {address} (is mooncaked running? point --conductor HOST:PORT "
+                         "or MOONCAKED_CONDUCTOR at its gRPC address)", "no answer")
     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return CtlError(f"the conductor at {address} did not answer within {timeout:g}s")
+        return _NoAnswer(f"the conductor at {address} did not answer within {timeout:g}s",
+                         f"no answer within {timeout:g}s")
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        return _NoAnswer(f"UNAVAILABLE: {e.details()}", f"UNAVAILABLE: {e.details()}")
     return CtlError(f"{e.code().name}: {e.details()}")
+
+
+def _connects(channel: grpc.Channel, timeout_s: float) -> bool:
+    """Whether the channel gets a connection within ``timeout_s``; False at once when the attempt fails
+    (a refused port), where a call would wait its whole deadline on a host that does not answer."""
+    done = threading.Event()
+    ready = []
+
+    def seen(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN):
+            ready.append(state == grpc.ChannelConnectivity.READY)
+            done.set()
+
+    channel.subscribe(seen, try_to_connect=True)
+    try:
+        done.wait(timeout_s)
+        return bool(ready and ready[0])
+    finally:
+        channel.unsubscribe(seen)
 
 
 class Conductor:
@@ -105,6 +141,46 @@ class Conductor:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def conductor_addresses(text: str) -> list[str]:
+    """--conductor A,B: the addresses in order."""
+    out = [a.strip() for a in text.split(",")]
+    if not all(out):
+        raise CtlError(f"--conductor {text!r} has an empty entry: give HOST:PORT[,HOST:PORT...]")
+    return out
+
+
+def ask_conductors(addresses: list[str], security: Security | None, ask: Any) -> Any:
+    """``ask(conductor)`` on the first conductor listed that answers. One that does not (down, not
+    connecting within CONNECT_S, TLS refused, no answer in time) passes the command to the next; an
+    answer, an error included, is final. With none answering, one line names each and why."""
+    missed: list[_NoAnswer] = []
+    for n, address in enumerate(addresses):
+        try:
+            return _ask_one(address, security, ask, connect_first=n < len(addresses) - 1)
+        except _NoAnswer as e:
+            missed.append(e)
+    raise _none_answers(addresses, missed)
+
+
+def _ask_one(address: str, security: Security | None, ask: Any, connect_first: bool) -> Any:
+    conductor = Conductor(address, security)
+    try:
+        if connect_first and not _connects(conductor.channel, CONNECT_S):
+            raise _NoAnswer(f"no conductor answers at {address} (no connection within {CONNECT_S:g}s)",
+                            "no connection")
+        return ask(conductor)
+    finally:
+        conductor.close()
+
+
+def _none_answers(addresses: list[str], missed: list[_NoAnswer]) -> CtlError:
+    if len(missed) == 1:
+        return missed[0]
+    return CtlError("no conductor of " + ", ".join(f"{a} ({e.reason})" for a, e in zip(addresses, missed)) +
+                    " answers (is mooncaked running? point --conductor HOST:PORT[,HOST:PORT...] or "
+                    "MOONCAKED_CONDUCTOR at their gRPC addresses)")
 
 
 # -- status --------------------------------------------------------------------------------------
@@ -227,13 +303,37 @@ def cmd_generate(conductor: Conductor, args) -> int:
                 sys.stdout.write("\n")
                 print(f"[{n} tokens, first after {first:.2f}s, finish={chunk.finish_reason}]", file=sys.stderr)
     except grpc.RpcError as e:
-        raise _conductor_error(e, conductor.channel, conductor.address, args.timeout) from None
+        error = _conductor_error(e, conductor.channel, conductor.address, args.timeout)
+        if first is not None:  # tokens are out: final, no other conductor may start the answer again
+            raise CtlError(str(error)) from None
+        raise error from None
     return 0
 
 
-def cmd_drain(conductor: Conductor, args, drain: bool) -> int:
-    reply = conductor.call("SetDrain", conductor_pb2.SetDrainRequest(name=args.instance, drain=drain))
+def cmd_drain(addresses: list[str], security: Security | None, args, drain: bool) -> int:
+    """Every conductor listed is told (each remembers an operator's drain across the instance's restarts,
+    so one left out would keep routing there, or keep it drained after an undrain); the first answer is
+    printed and an error in it is final; conductors that are not reached are named on stderr."""
+    request = conductor_pb2.SetDrainRequest(name=args.instance, drain=drain)
+    reply, missed, untold = None, [], []
+    for address in addresses:
+        try:
+            got = _ask_one(address, security, lambda c: c.call("SetDrain", request), connect_first=len(addresses) > 1)
+        except _NoAnswer as e:
+            missed.append(e)
+            untold.append(f"{address} ({e.reason})")
+            continue
+        except CtlError as e:
+            if reply is None:
+                raise
+            untold.append(f"{address} ({e})")
+            continue
+        reply = reply or got
+    if reply is None:
+        raise _none_answers(addresses, missed)
     print(f"{reply.name or args.instance}: {_STATES.get(reply.state, '?')}")
+    if untold:
+        print(f"mooncakectl: not told: {'; '.join(untold)}", file=sys.stderr)
     return 0
 
 
@@ -243,13 +343,11 @@ def _store_address(args) -> str:
     """--store / MOONCAKED_STORE, else the store master the conductor follows."""
     if args.store:
         return args.store
-    conductor = Conductor(args.conductor, args.security)
     try:
-        reply = conductor.call("Status", conductor_pb2.StatusRequest(without_pool_stats=True))
+        reply = ask_conductors(conductor_addresses(args.conductor), args.security,
+                               lambda c: c.call("Status", conductor_pb2.StatusRequest(without_pool_stats=True)))
     except CtlError as e:
         raise CtlError(f"{e} — or give the store master itself with --store HOST:PORT (or MOONCAKED_STORE)") from None
-    finally:
-        conductor.close()
     if not reply.HasField("store"):
         raise CtlError(f"the conductor at {args.conductor} follows no store master; give one with --store HOST:PORT "
                        "(or MOONCAKED_STORE)")
@@ -261,8 +359,59 @@ def store_dict(reply: store_pb2.PoolStatsReply) -> dict[str, Any]:
             "segments": [_fields(s) for s in reply.segments]}
 
 
+def _masters(target: str, security: Security) -> dict[str, Any]:
+    """Who leads and who stands by (store/master_link.survey): etcd's leader key, or each master's word."""
+    import asyncio
+
+    from mooncaked.config import ConfigError, parse_store
+    from mooncaked.store.master_link import survey
+
+    try:
+        parse_store(target)
+    except (ValueError, ConfigError) as e:
+        raise CtlError(f"--store {target!r}: {e}") from None
+    return asyncio.run(survey(target, security))
+
+
+def _master_line(m: dict[str, Any]) -> str:
+    if m.get("error"):
+        return f"{m.get('name') or '?'} at {m['address']}: unreachable ({m['error']})"
+    if m["role"] != "leader":
+        return f"{m.get('name') or '?'} at {m['address']} ({m['role']})"
+    state = "writes fenced: etcd lease unconfirmed" if not m.get("writable") else "writable"
+    return f"{m.get('name') or '?'} at {m['address']} (epoch {m.get('epoch', 0)}, {state})"
+
+
+def store_ha_lines(view: dict[str, Any]) -> list[str]:
+    """The leader, the standbys and etcd, for a store under HA (nothing for a single master)."""
+    if view["mode"] == "single" and not view["standbys"] and (view["leader"] or {}).get("role") == "single":
+        return []
+    lines = [f"leader     {_master_line(view['leader']) if view['leader'] else 'none (an election is under way?)'}"]
+    lines += [f"standby    {_master_line(m)}" for m in view["standbys"]] or ["standby    none"]
+    for e in view.get("etcd") or []:
+        lines.append(f"etcd       {e['endpoint']}: " + (f"healthy, v{e['version']}{', raft leader' if e['leader'] else ''}, "
+                                                         f"term {e['raft_term']}, index {e['raft_index']}, "
+                                                         f"db {_mib(e['db_size'])}" if e["healthy"]
+                                                         else f"unhealthy ({e['error']})"))
+    if view.get("error"):
+        lines.append(f"etcd       {view['error']}")
+    return lines
+
+
 def cmd_store(args) -> int:
-    address = _store_address(args)
+    target = _store_address(args)
+    view = _masters(target, args.security)
+    leader = view["leader"]
+    if leader is None and view["mode"] == "single":  # it did not answer: PoolStats says why, below
+        leader = {"address": target}
+    if leader is None:
+        lines = store_ha_lines(view)
+        if args.json:
+            print(json.dumps({"ha": view}))
+        else:
+            print("\n".join(lines))
+        raise CtlError(f"no store master leads at {target} now")
+    address = leader["address"]
     with args.security.sync_channel(address) as channel:
         try:
             reply = store_pb2_grpc.StoreMasterStub(channel).PoolStats(store_pb2.PoolStatsRequest(),
@@ -276,12 +425,14 @@ def cmd_store(args) -> int:
                                "or MOONCAKED_STORE at it)") from None
             raise CtlError(f"store master {address}: {e.code().name}: {e.details()}") from None
     if args.json:
-        print(json.dumps(store_dict(reply)))
+        print(json.dumps({**store_dict(reply), "ha": view}))
         return 0
     lookups = reply.hits + reply.misses
     print(f"store master {address}: epoch {reply.master_epoch}, {reply.objects} objects, hit rate "
           f"{_hit_rate(reply.hits, reply.misses):.1%} ({reply.hits}/{lookups}), {reply.evictions} evictions, "
           f"{reply.demotions} demotions, {reply.promotions} promotions")
+    for line in store_ha_lines(view):
+        print(line)
     print(f"{'SEGMENT':<40} {'OWNER':<30} {'TIER':<6} {'USED':>10} {'CAPACITY':>10} {'USE':>6} {'OBJECTS':>8}")
     for seg in reply.segments:
         use = seg.used / seg.capacity if seg.capacity else 0.0
@@ -294,12 +445,13 @@ def cmd_store(args) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mooncakectl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--conductor", metavar="HOST:PORT",
+    p.add_argument("--conductor", metavar="HOST:PORT[,...]",
                    default=os.environ.get("MOONCAKED_CONDUCTOR") or DEFAULT_CONDUCTOR,
-                   help="the conductor's gRPC address (default: $MOONCAKED_CONDUCTOR, else %s)" % DEFAULT_CONDUCTOR)
+                   help="the conductor's gRPC address; conductors side by side as a comma list, asked in order "
+                        "(default: $MOONCAKED_CONDUCTOR, else %s)" % DEFAULT_CONDUCTOR)
     p.add_argument("--store", metavar="HOST:PORT", default=os.environ.get("MOONCAKED_STORE") or None,
-                   help="the store master's gRPC address, for `store` (default: $MOONCAKED_STORE, else the one "
-                        "the conductor follows)")
+                   help="the store master's gRPC address, for `store`; masters under HA: etcd://ETCD:PORT[,...] "
+                        "or MASTER:PORT,MASTER:PORT (default: $MOONCAKED_STORE, else the one the conductor follows)")
     for flag, what in (("tls-cert", "PEM certificate signed by the cluster's CA (mutual TLS)"),
                        ("tls-key", "PEM private key of --tls-cert"),
                        ("tls-ca", "PEM certificate of the cluster's CA"),
@@ -336,15 +488,11 @@ def run(args) -> int:
         raise CtlError(str(e)) from None
     if args.command == "store":
         return cmd_store(args)
-    conductor = Conductor(args.conductor, args.security)
-    try:
-        if args.command == "status":
-            return cmd_status(conductor, args)
-        if args.command == "generate":
-            return cmd_generate(conductor, args)
-        return cmd_drain(conductor, args, args.command == "drain")
-    finally:
-        conductor.close()
+    addresses = conductor_addresses(args.conductor)
+    if args.command in ("drain", "undrain"):
+        return cmd_drain(addresses, args.security, args, args.command == "drain")
+    command = cmd_status if args.command == "status" else cmd_generate
+    return ask_conductors(addresses, args.security, lambda conductor: command(conductor, args))
 
 
 def main(argv: list[str] | None = None) -> int:

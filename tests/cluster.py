@@ -32,6 +32,7 @@ class Cluster:
     ports: dict[str, int] = field(default_factory=dict)
     conductor_port: int = 0
     http: str = ""  # the conductor's HTTP base URL, once start_serving has run
+    also_conductors: list[str] = field(default_factory=list)  # beside the first (start_conductor): engines use all
 
     @property
     def conductor(self) -> str:
@@ -58,7 +59,7 @@ class Cluster:
         cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", "127.0.0.1:0", "--name", name,
                *args]
         if role in ("prefill", "decode"):
-            cmd += ["--conductor", self.conductor]
+            cmd += ["--conductor", ",".join([self.conductor, *self.also_conductors])]
         elif role == "conductor" and "--http" not in args:
             cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
         log = open(self.log_dir / f"{name}.log", "w")
@@ -68,6 +69,18 @@ class Cluster:
         if role == "conductor":
             self.conductor_port = port
         return port
+
+    def start_conductor(self, name: str, *args: str, port: int = 0) -> str:
+        """One more conductor beside the first (``self.conductor`` stays the first); engines started after
+        it register with every one. ``port``: restart one on the port it had. Returns its gRPC address."""
+        first = self.conductor_port
+        listen = ("--listen", f"127.0.0.1:{port}") if port else ()
+        address = f"127.0.0.1:{self.start(name, 'conductor', *listen, *args)}"
+        if first:
+            self.conductor_port = first
+            if address != self.conductor and address not in self.also_conductors:
+                self.also_conductors.append(address)
+        return address
 
     def start_serving(self, prefills: tuple[str, ...] = ("p1",), decodes: tuple[str, ...] = ("d1",),
                       scheme: str = "http") -> "Cluster":
@@ -99,18 +112,18 @@ class Cluster:
     def metrics_port(self, name: str) -> int:
         return self._printed_port(name, r"metrics on http://[^ ]*:(\d+)/metrics")
 
-    def status(self) -> conductor_pb2.StatusReply:
-        with grpc.insecure_channel(self.conductor) as ch:
+    def status(self, conductor: str | None = None) -> conductor_pb2.StatusReply:
+        with grpc.insecure_channel(conductor or self.conductor) as ch:
             return conductor_pb2_grpc.ConductorStub(ch).Status(conductor_pb2.StatusRequest(), timeout=5)
 
-    def wait_serving(self, names: list[str], timeout_s: float = 120) -> None:
+    def wait_serving(self, names: list[str], timeout_s: float = 120, conductor: str | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for n, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{n} exited with {p.returncode}: {self.log(n)[-3000:]}")
             try:
-                st = self.status()
+                st = self.status(conductor)
                 serving = {i.name for i in st.instances if i.state == 2}
                 if set(names) <= serving:
                     return

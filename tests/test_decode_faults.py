@@ -22,13 +22,15 @@ import pytest
 
 from cluster import Cluster
 from mooncaked.conductor.decode_lease import DecodeLease
+from mooncaked.conductor.engine_link import Reservation, TransferEndpoint
+from mooncaked.conductor.grpc_engine import GrpcEngineLink
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.registry import Instance
 from mooncaked.conductor.router import SchedulerState, _Seq, predict_kv_wait
 from mooncaked.engine import Engine
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2, engine_pb2_grpc
-from mooncaked.roles.kv_push import KV_REGION
+from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.roles.worker import WorkerService
 from mooncaked.transfer import TransferEngine
 from tiny_models import make_tiny_model, random_prompts
@@ -139,9 +141,10 @@ async def test_reservation_lives_while_renewed_and_aborts_win_races(tiny_model_f
                 await reserve("later", 16)
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             # renewed by the conductor's lease (as while its prefill runs), it outlives its TTL several times
-            decode = Instance("d-test", "decode", f"127.0.0.1:{port}", folder.name, service.layout,
-                              common_pb2.TransferEndpoint(), stub=stub)
-            lease = DecodeLease(decode, "held", held)
+            link = GrpcEngineLink(f"127.0.0.1:{port}")
+            decode = Instance("d-test", "decode", f"127.0.0.1:{port}", folder.name, service.layout, link=link)
+            lease = DecodeLease(decode, "held", Reservation(list(held.block_ids), TransferEndpoint(), service.layout,
+                                                            held.ttl_s))
             lease.start()
             await asyncio.sleep(5 * 1.5)
             assert "held" in service.reserved
@@ -161,6 +164,7 @@ async def test_reservation_lives_while_renewed_and_aborts_win_races(tiny_model_f
                 await reserve("overtaken", 8)
             assert err.value.code() == grpc.StatusCode.CANCELLED
             assert engine.block_manager.num_free_blocks == total
+            await link.close()
     finally:
         expiry.cancel()
         await server.stop(0)

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from cluster import Cluster
-from mooncaked.conductor.http_api import UpstreamError, api_error
+from mooncaked.conductor import errors
+from mooncaked.conductor.http_api import api_error
 from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc, engine_pb2, engine_pb2_grpc
 from tiny_models import random_prompts
@@ -254,10 +255,10 @@ async def test_bearer_token_and_no_instance(cluster):
 
 
 def test_status_table_maps_rejection_and_unavailability():
-    assert api_error(UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "TTFT SLO")).status == 429
-    assert api_error(UpstreamError(grpc.StatusCode.UNAVAILABLE, "none")).status == 503
-    assert api_error(UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "bad")).status == 400
-    assert api_error(UpstreamError(grpc.StatusCode.INTERNAL, "boom")).status == 500
+    assert api_error(errors.Rejected("TTFT SLO", "ttft_slo")).status == 429
+    assert api_error(errors.NoInstance("none", "prefill")).status == 503
+    assert api_error(errors.BadRequest("bad")).status == 400
+    assert api_error(errors.PeerFailed("boom", "p1", "internal")).status == 500
 
 
 async def test_kv_indexer_query_register_unregister(cluster, http):

@@ -32,8 +32,7 @@ def _join(registry: Registry, name: str, role: str) -> Instance:
 
 
 async def _close(registry: Registry) -> None:
-    for inst in registry.instances.values():
-        await inst.channel.close()
+    await registry.close()
 
 
 async def test_a_waiting_request_is_woken_when_a_prefill_and_a_decode_serve():

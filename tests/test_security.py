@@ -114,8 +114,8 @@ class SecureCluster(Cluster):
     token: Path
     security: Security
 
-    def status(self) -> conductor_pb2.StatusReply:
-        with self.security.sync_channel(self.conductor) as ch:
+    def status(self, conductor: str | None = None) -> conductor_pb2.StatusReply:
+        with self.security.sync_channel(conductor or self.conductor) as ch:
             return conductor_pb2_grpc.ConductorStub(ch).Status(conductor_pb2.StatusRequest(), timeout=5)
 
 

@@ -29,6 +29,7 @@ class Hooks:
         self.settled: list[tuple[int, bool]] = []
         self.dropped: list[str] = []
         self.events: list[tuple[str, str, str]] = []  # (kind, key, medium) in order
+        self.journals: list[tuple[str, str, int, int]] = []  # (owner, key, offset, size; 0: left) in order
 
     def send_task(self, task: Task) -> None:
         self.tasks.append(task)
@@ -41,6 +42,9 @@ class Hooks:
 
     def pool_event(self, kind: str, keys, medium: str) -> None:
         self.events.extend((kind, k, medium) for k in keys)
+
+    def journal(self, client_id: str, key: str, offset: int, size: int, checksum: int) -> None:
+        self.journals.append((client_id, key, offset, size))
 
 
 def dram(name: str, capacity: int) -> SegmentSpec:
@@ -227,7 +231,7 @@ def test_remove_of_a_leased_object_keeps_its_bytes_until_the_lease_ends():
 
 
 def test_demotion_to_lmdb_and_promotion_back():
-    m, clock, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m, clock, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25, persist=False)
     m.mount("A", dram("a", 64 * KiB))
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
     for i in range(5):
@@ -254,7 +258,7 @@ def test_demotion_to_lmdb_and_promotion_back():
 
 
 def test_overdue_task_fails_and_frees_its_places():
-    m, clock, hooks = make(high_watermark=0.5, evict_fraction=0.25, task_timeout_s=3.0)
+    m, clock, hooks = make(high_watermark=0.5, evict_fraction=0.25, task_timeout_s=3.0, persist=False)
     m.mount("A", dram("a", 64 * KiB))
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
     for i in range(5):
@@ -313,7 +317,7 @@ def test_remount_rebuilds_lmdb_objects_and_rejects_conflicts():
 
 
 def test_evacuate_demotes_only_copies_and_ignores_leases():
-    m, _, hooks = make(replicas=1)
+    m, _, hooks = make(replicas=1, persist=False)
     m.mount("A", dram("a", 64 * KiB))
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
     m.mount("B", dram("b", 64 * KiB))
@@ -365,7 +369,7 @@ def test_pool_events_for_eviction_without_lmdb():
 
 
 def test_pool_events_for_demotion_promotion_and_a_corrupt_lmdb_value():
-    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25, persist=False)
     m.mount("A", dram("a", 64 * KiB))
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
     for i in range(5):
@@ -386,7 +390,7 @@ def test_pool_events_for_demotion_promotion_and_a_corrupt_lmdb_value():
 
 
 def test_pool_events_for_a_demotion_under_a_lease():
-    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25)
+    m, _, hooks = make(lease_s=1.0, high_watermark=0.5, evict_fraction=0.25, persist=False)
     m.mount("A", dram("a", 64 * KiB))
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
     put(m, "k", 8 * KiB)

@@ -19,6 +19,12 @@ cannot run, the output says "baseline unavailable: <reason>" and still gives our
 Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B] [--token]
 --token: our master and clients share a cluster secret (gRPC metadata; the fast path's and the
 transfer ports' handshake, once per connection).
+
+--scale: the master at scale instead (tools/bench_store_scale.py): 1,000,000 objects (--quick:
+100,000; --objects N) on 64 segments (--segments), batches of 64 keys (--batch), --depth batches in
+flight: master RSS, metadata bytes per object and per segment, BatchPutStart+BatchPutEnd,
+BatchGetReplicas and LongestPrefix keys/s, one eviction round's time; ours as a real process
+over the fast path and as the state machine in-process, and mooncake_master with the same objects.
 Processes are spawned, never forked.
 """
 
@@ -370,10 +376,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--objects", type=int, default=None, help="objects per run (default 512, quick 96)")
     p.add_argument("--object-kib", type=int, default=512)
-    p.add_argument("--batch", type=int, default=16, help="objects per batch in the batched rows")
+    p.add_argument("--batch", type=int, default=None, help="objects per batch in the batched rows (default 16; "
+                   "--scale: keys per metadata batch, default 64)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
     p.add_argument("--token", action="store_true", help="our processes share a (random) cluster secret")
+    p.add_argument("--scale", action="store_true", help="the master at scale: 1,000,000 objects (--quick: 100,000) "
+                   "on --segments segments, metadata only, ours and mooncake_master")
+    p.add_argument("--segments", type=int, default=64, help="--scale: segments mounted (one per simulated engine)")
+    p.add_argument("--depth", type=int, default=4, help="--scale: metadata batches in flight")
     args = p.parse_args(argv)
+    if args.scale:
+        return scale(args)
+    args.batch = args.batch or 16
     n = args.objects or (96 if args.quick else 512)
     reps = args.reps or (1 if args.quick else 3)
     size = args.object_kib * 1024
@@ -432,6 +446,22 @@ def main(argv: list[str] | None = None) -> int:
           f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")
     if out["mooncake"] is None:
         print(out["baseline"])
+    return 0
+
+
+def scale(args: argparse.Namespace) -> int:
+    from bench_store_scale import Shape, print_table, run
+
+    n = args.objects or (100_000 if args.quick else 1_000_000)
+    shape = Shape(objects=n, segments=args.segments, batch=args.batch or 64, depth=args.depth,
+                  sample_keys=65_536 if args.quick else 262_144)
+    if n < shape.segments or shape.batch < 1 or shape.depth < 1:
+        raise SystemExit("bench_store --scale: need at least one object per segment, --batch and --depth >= 1")
+    out = run(shape, _mooncake_master(), mooncake_unavailable())
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_table(out)
     return 0
 
 

@@ -11,8 +11,10 @@ cluster sees the same prefix sharing the trace had, and send every request at it
 Reports TTFT and TBT percentiles, SLO attainment (a request meets the SLO when its TTFT and
 the P90 of its token gaps are both within bounds), goodput (requests meeting the SLO per
 second), rejections (HTTP 429) and the prompt-cache hit rate (cached_tokens / prompt_tokens
-from ``usage``); writes ``report.json`` and ``replay.png`` (TTFT and TBT CDFs, throughput
-over time) into ``--out``.
+from ``usage``). ``mean_ttft_s``, ``p90_ttft_s``, ``cache_hit_rate`` and ``prefill_tokens_computed``
+are the figures ``tools/simulate.py`` predicts for the same slice, under the same names.
+Writes ``report.json`` and ``replay.png`` (TTFT and TBT CDFs, throughput over time) into
+``--out``.
 
     python tools/replay.py --trace tools/traces/synthetic_trace.jsonl --url http://127.0.0.1:8000 \\
         --time-scale 0.1 --length-scale 0.01 --max-requests 200 --out replay-out
@@ -236,6 +238,7 @@ def summarize(results: list[Result], settings: dict[str, Any]) -> dict[str, Any]
     span = max(ends) if ends else settings["wall_s"]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
+    ttft = percentiles([r.ttft_s for r in ok])
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -248,7 +251,12 @@ def summarize(results: list[Result], settings: dict[str, Any]) -> dict[str, Any]
                      "failed": len(results) - len(ok), "timed_out": sum(r.timed_out for r in results)},
         "failures_by_status": errors,
         "error_samples": sample,
-        "ttft_s": percentiles([r.ttft_s for r in ok]),
+        # the figures tools/simulate.py predicts, under its names
+        "mean_ttft_s": ttft["mean"],
+        "p90_ttft_s": ttft["p90"],
+        "cache_hit_rate": cached / prompt if prompt else 0.0,
+        "prefill_tokens_computed": prompt - cached,
+        "ttft_s": ttft,
         "tbt_s": percentiles([g for r in ok for g in r.gaps_s]),
         "slo_attainment": len(met) / len(results) if results else 0.0,
         "ttft_slo_attainment": sum(r.ttft_s <= slo_ttft for r in ok) / len(results) if results else 0.0,
@@ -259,7 +267,7 @@ def summarize(results: list[Result], settings: dict[str, Any]) -> dict[str, Any]
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "completion_tokens": sum(r.completion_tokens for r in ok),
-        "hit_rate": cached / prompt if prompt else 0.0,
+        "hit_rate": cached / prompt if prompt else 0.0,  # = cache_hit_rate (the older name)
     }
 
 
@@ -359,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
           f"  SLO attainment {report['slo_attainment']:.1%} (TTFT <= {args.slo_ttft:g}s, TBT p90 <= "
           f"{args.slo_tbt:g}s), goodput {report['goodput_rps']:.2f} req/s, "
           f"{report['throughput_tok_s']:.1f} output tok/s\n"
-          f"  hit rate {report['hit_rate']:.1%} ({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens "
+          f"  cache hit rate {report['cache_hit_rate']:.1%} "
+          f"({report['cached_tokens']}/{report['prompt_tokens']} prompt tokens "
           f"cached)\n  wrote {args.out / 'report.json'} and {args.out / 'replay.png'}")
     return 0
 

@@ -7,10 +7,18 @@ on a real engine (see ``Profile.from_json``). The policies, prefix index and cos
 are the live conductor's own code. Each policy replays the whole trace on the same cluster
 (same instance speeds and jitter); a table of policy x (TTFT mean/p90, TBT SLO attainment,
 SLO attainment, goodput, early rejections, late drops, prefill tokens computed / wasted /
-reused) is printed.
+reused, cache hit rate) is printed.
+
+A measured profile (``tools/profile_engine.py --out FILE.json``) and ``--time-scale`` /
+``--length-scale`` / ``--max-requests`` as given to ``tools/replay.py`` predict what a replay
+of the same slice on that cluster shape reports, under the same names: ``mean_ttft_s``,
+``p90_ttft_s``, ``cache_hit_rate`` (cached prompt tokens / prompt tokens),
+``prefill_tokens_computed``.
 
     python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
     python tools/simulate.py --quick --json -            # one JSON object on stdout
+    python tools/simulate.py --profile engine.json --prefill 2 --decode 2 --max-requests 120 \
+        --time-scale 0.2 --length-scale 0.01             # the slice tools/replay.py sends
 """
 
 from __future__ import annotations
@@ -54,14 +62,16 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
     slo = SLO(args.ttft_slo, args.tbt_slo)
     cfg = SimConfig(prefill=args.prefill, decode=args.decode, profile=load_profile(args.profile), slo=slo,
                     seed=args.seed, noise=args.noise, heterogeneity=args.heterogeneity,
-                    cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens)
+                    cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens,
+                    length_scale=args.length_scale)
     log.info("%d requests over %.0f s; %d prefill + %d decode instances, profile %s", len(trace),
              trace[-1].arrival_s - trace[0].arrival_s, args.prefill, args.decode, cfg.profile.name)
     results = []
     for name in args.policy:
         runs = []
         for seed in range(args.seed, args.seed + args.seeds):
-            policy = make_policy(name, slo=slo, seed=seed, kvcache_balancing_threshold=args.threshold)
+            policy = make_policy(name, slo=None if args.no_early_rejection else slo, seed=seed,
+                                 kvcache_balancing_threshold=args.threshold)
             runs.append(Simulation(trace, dataclasses.replace(cfg, seed=seed), policy).run())
             log.info("%s (seed %d): mean TTFT %.2f s, %.1f s of wall time", name, seed, runs[-1].mean_ttft_s,
                      runs[-1].wall_s)
@@ -79,10 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
     ap.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
     ap.add_argument("--tbt-slo", type=float, default=SLO().tbt_s, help="seconds")
+    ap.add_argument("--no-early-rejection", action="store_true",
+                    help="never reject for a predicted SLO miss, as a conductor started without --ttft-slo-s / "
+                         "--tbt-slo-s (the SLOs are still measured)")
     ap.add_argument("--threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD,
                     help="kvcache_balancing_threshold of the mooncake policy")
     ap.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times (< 1: more load)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="arrival time = trace time x this (< 1: more load; 0: all at once), as in replay.py")
+    ap.add_argument("--length-scale", type=float, default=1.0,
+                    help="input/output lengths and the 512-token trace block x this, as replay.py sends them")
     ap.add_argument("--cache-blocks", type=int, default=None, help="prefix cache per prefill instance, in blocks")
     ap.add_argument("--kv-capacity-tokens", type=int, default=None, help="KV room per decode instance")
     ap.add_argument("--noise", type=float, default=0.05, help="log-normal jitter of prefill times (sigma)")
@@ -98,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--prefill and --decode must be at least 1")
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
+    if args.time_scale < 0 or args.length_scale <= 0:
+        ap.error("--time-scale must be >= 0 and --length-scale > 0")
     if args.quick and args.max_requests is None:
         args.max_requests = QUICK_REQUESTS
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -110,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "config": {"trace": str(args.trace), "prefill": args.prefill, "decode": args.decode, "profile": args.profile,
                    "requests": results[0].requests, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo,
-                   "kvcache_balancing_threshold": args.threshold, "time_scale": args.time_scale, "seed": args.seed,
+                   "early_rejection": not args.no_early_rejection,
+                   "kvcache_balancing_threshold": args.threshold, "time_scale": args.time_scale,
+                   "length_scale": args.length_scale, "seed": args.seed,
                    "seeds": args.seeds},
         "policies": {r.policy: r.as_json() for r in results},
     }

@@ -28,19 +28,29 @@ class StepTimeModel:
     """Time = coef . features(x); fitted on a window of samples, weighted by 1/time.
 
     Weighting by the inverse of the measured time fits relative error, so short prompts
-    are predicted as well as long ones. The ridge term pulls coefficients toward the prior
-    only where the data says nothing (e.g. no prefix ever seen: the n*p term stays prior).
+    are predicted as well as long ones. Each coefficient is pulled toward the prior by a
+    ridge term scaled by how much that term matters over ``prior_grid`` (shapes across the
+    range the model is asked about, in the same relative units), ``prior_weight`` samples'
+    worth: where the data says nothing (no prefix ever seen: the n*p term; only short
+    prompts seen: the n^2 term) the prior decides, and a few real samples cannot swing a
+    term the data does not constrain. (A ridge scaled by the data's own features did not:
+    one 29-token sample fitted a quadratic term 1000x the prior's and predicted 440 s for a
+    16k prompt; the next fitted it to zero and predicted 25 ms for a 37k one, and the
+    scheduler queued a dozen long prompts there, a minute each.) Diagonal, so a term with
+    no data stays exactly at its prior however the others move.
     """
 
     names: tuple[str, ...] = ()
+    prior_grid: tuple[tuple[float, float], ...] = ()
 
     def __init__(self, prior: Sequence[float], window: int = 512, ridge: float = 1e-4,
-                 refit_every: int = 8) -> None:
+                 refit_every: int = 8, prior_weight: float = 0.01) -> None:
         if len(prior) != len(self.names):
             raise ValueError(f"{type(self).__name__} takes {len(self.names)} coefficients ({self.names})")
         self.prior = tuple(float(c) for c in prior)
         self.coef = self.prior
         self.ridge = ridge
+        self._prior_lam = self._prior_ridge(max(0.0, prior_weight))
         self.refit_every = max(1, refit_every)
         self._x: deque[tuple[float, ...]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
@@ -49,6 +59,25 @@ class StepTimeModel:
     @staticmethod
     def features(a: float, b: float) -> tuple[float, ...]:
         raise NotImplementedError
+
+    def _prior_ridge(self, weight: float) -> np.ndarray:
+        """Per-coefficient ridge: ``weight`` samples on the prior spread over ``prior_grid``, diagonal.
+
+        Zeros when the prior predicts nothing somewhere on the grid (an all-zero prior to
+        fit from scratch): relative error to a zero time is undefined.
+        """
+        k = len(self.names)
+        if weight <= 0 or not self.prior_grid:
+            return np.zeros(k)
+        rows = []
+        for a, b in self.prior_grid:
+            f = np.asarray(self.features(a, b), dtype=np.float64)
+            y = float(np.dot(self.prior, f))
+            if y <= 0:
+                return np.zeros(k)
+            rows.append(f / y)
+        g = np.asarray(rows)
+        return weight / len(rows) * (g * g).sum(axis=0)
 
     def __len__(self) -> int:
         return len(self._y)
@@ -83,6 +112,7 @@ class StepTimeModel:
         # ridge scaled per feature (features differ by orders of magnitude); a feature with no
         # data at all still gets a tiny weight, so its coefficient is exactly the prior's
         lam = self.ridge * np.maximum(np.diag(a), 1e-12 * max(float(np.max(np.diag(a))), 1.0))
+        lam = lam + self._prior_lam
         a += np.diag(lam)
         b = xw.T @ np.ones_like(y) + lam * np.asarray(self.prior)
         free = list(range(k))
@@ -112,6 +142,7 @@ class PrefillTimeModel(StepTimeModel):
     """
 
     names = ("const_s", "per_ktok_s", "per_ktok_x_kprefix_s", "per_ktok2_s")
+    prior_grid = tuple((n, p) for n in (64, 1024, 8192, 32768) for p in (0, 4096, 32768))
 
     @staticmethod
     def features(n: float, p: float) -> tuple[float, ...]:
@@ -123,6 +154,7 @@ class DecodeTimeModel(StepTimeModel):
     """One decode step of a batch: weights read once, per-sequence work, KV read per context token."""
 
     names = ("const_s", "per_seq_s", "per_kctx_s")
+    prior_grid = tuple((b, b * c) for b in (1, 16, 128) for c in (256, 4096, 32768))
 
     @staticmethod
     def features(batch: float, context_tokens: float) -> tuple[float, ...]:
@@ -171,7 +203,9 @@ class Profile:
 
     ``prefill_coef`` and ``decode_coef`` follow ``PrefillTimeModel.names`` and
     ``DecodeTimeModel.names``. ``kv_capacity_tokens`` is a decode instance's KV room,
-    ``cache_blocks`` a prefill instance's own prefix cache (its share of the DRAM pool).
+    ``cache_blocks`` a prefill instance's own prefix cache (its share of the DRAM pool),
+    ``max_model_len`` the model's context (0: unbounded; the simulator clips prompts to it
+    as ``tools/replay.py`` does).
     """
 
     name: str
@@ -185,6 +219,7 @@ class Profile:
     kv_capacity_tokens: int
     cache_blocks: int
     notes: str = ""
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prefill_coef) != len(PrefillTimeModel.names):
@@ -193,6 +228,8 @@ class Profile:
             raise ValueError(f"profile {self.name}: decode_coef takes {DecodeTimeModel.names}")
         if min(self.local_bps, self.remote_bps, self.slow_bps) <= 0 or self.block_size < 1 or self.block_bytes < 1:
             raise ValueError(f"profile {self.name}: bandwidths, block_size and block_bytes must be positive")
+        if self.max_model_len < 0 or self.kv_capacity_tokens < 0 or self.cache_blocks < 0:
+            raise ValueError(f"profile {self.name}: max_model_len, kv_capacity_tokens and cache_blocks must be >= 0")
 
     def prefill_s(self, uncached: int, prefix: int) -> float:
         return max(0.0, sum(c * f for c, f in zip(self.prefill_coef, PrefillTimeModel.features(uncached, prefix))))
@@ -229,6 +266,8 @@ class Profile:
                 m.refit()
                 raw[key.replace("_samples", "_coef")] = m.coef
         base.update(raw)
+        if base["name"] == A800_LLAMA2_70B.name and "prefill_coef" in raw:
+            base["name"] = Path(path).stem  # measured, not the A800 model: do not wear its name
         base["prefill_coef"] = tuple(base["prefill_coef"])
         base["decode_coef"] = tuple(base["decode_coef"])
         return cls(**base)

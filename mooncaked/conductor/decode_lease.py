@@ -15,29 +15,29 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-import grpc
-
+from mooncaked.conductor.engine_link import EngineError, Reservation
 from mooncaked.conductor.registry import Instance
-from mooncaked.proto.mooncake.v1 import engine_pb2
-from mooncaked.rpc import RPC_TIMEOUT_S
 from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
 
 MIN_RENEW_S = 0.2
+CALL_TIMEOUT_S = 10.0  # Renew and Abort of a reservation
+# an Abort on a prefill instance answers once the request's KV pushes stopped (its engine waits up to 10 s)
+STOP_PREFILL_TIMEOUT_S = CALL_TIMEOUT_S + 5
 
 
 @dataclass
 class DecodeLease:
     decode: Instance
     request_id: str  # the engine-side id of this attempt
-    reply: engine_pb2.ReserveReply
+    reservation: Reservation
     _task: asyncio.Task | None = field(default=None, repr=False)
 
     def start(self) -> None:
         """Renew every third of the TTL the decode instance granted."""
-        if self.reply.ttl_s > 0:
-            self._task = spawn(self._renew_forever(max(MIN_RENEW_S, self.reply.ttl_s / 3)),
+        if self.reservation.ttl_s > 0:
+            self._task = spawn(self._renew_forever(max(MIN_RENEW_S, self.reservation.ttl_s / 3)),
                                f"renew-{self.request_id}")
 
     def stop(self) -> None:
@@ -50,13 +50,12 @@ class DecodeLease:
         while True:
             await asyncio.sleep(every_s)
             try:
-                reply = await self.decode.stub.Renew(engine_pb2.RenewRequest(request_id=self.request_id),
-                                                     timeout=min(RPC_TIMEOUT_S, every_s))
-            except grpc.aio.AioRpcError as e:
+                ttl = await self.decode.link.renew(self.request_id, min(CALL_TIMEOUT_S, every_s))
+            except EngineError as e:
                 log.warning("could not renew the reservation of %s on %s: %s", self.request_id, self.decode.name,
-                            e.code().name)
+                            e.kind)
                 continue
-            if not reply.found:
+            if ttl is None:
                 log.warning("the reservation of %s on %s is gone", self.request_id, self.decode.name)
                 return
 
@@ -64,18 +63,18 @@ class DecodeLease:
         """Give the blocks back now; call only once no push can still write them."""
         self.stop()
         try:
-            await self.decode.stub.Abort(engine_pb2.AbortRequest(request_id=self.request_id), timeout=RPC_TIMEOUT_S)
-        except grpc.aio.AioRpcError as e:
+            await self.decode.link.abort(self.request_id, CALL_TIMEOUT_S)
+        except EngineError as e:
             log.warning("could not release the reservation of %s on %s: %s (it expires on its own)",
-                        self.request_id, self.decode.name, e.code().name)
+                        self.request_id, self.decode.name, e.kind)
 
 
 async def stop_prefill(prefill: Instance, request_id: str) -> bool:
     """Ask a prefill instance to stop a request; True once it acknowledged that its KV pushes ended."""
     try:
-        reply = await prefill.stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=RPC_TIMEOUT_S + 5)
-    except grpc.aio.AioRpcError as e:
-        log.warning("could not stop %s on %s: %s", request_id, prefill.name, e.code().name)
+        reply = await prefill.link.abort(request_id, STOP_PREFILL_TIMEOUT_S)
+    except EngineError as e:
+        log.warning("could not stop %s on %s: %s", request_id, prefill.name, e.kind)
         return False
     return reply.ended
 
@@ -94,3 +93,12 @@ async def end_attempt(prefill: Instance | None, lease: DecodeLease | None, reque
     else:
         log.warning("%s: its prefill on %s may still push; its blocks on %s are freed at their TTL", request_id,
                     prefill.name if prefill else "?", lease.decode.name)
+
+
+async def abort_on(inst: Instance, request_id: str) -> None:
+    """Abort a request on ``inst`` in the background (a Reserve that was cancelled may still land:
+    the Abort frees it, or refuses it if it comes later)."""
+    try:
+        await inst.link.abort(request_id, CALL_TIMEOUT_S)
+    except EngineError as e:
+        log.warning("could not abort %s on %s: %s", request_id, inst.name, e.kind)

@@ -1,9 +1,9 @@
 """The conductor's HTTP front (aiohttp): OpenAI-compatible completions, Mooncake's KV-indexer
 API, ``/metrics`` and ``/health``.
 
-It runs in the conductor's process and calls the same in-process request path as gRPC
-``Generate`` (``ConductorService.generate_stream``), so both fronts schedule, reject and
-measure alike. gRPC statuses become HTTP statuses here, in one table, and every error is an
+It runs in the conductor's process and calls the same core as gRPC ``Generate``
+(``Conductor.generate``, conductor/core.py), so both fronts schedule, reject and measure
+alike. The core's typed errors become HTTP statuses here, in one table, and every error is an
 OpenAI-style JSON body; a bad request never takes the server down.
 """
 
@@ -16,19 +16,20 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from mooncaked.conductor import metrics
+from mooncaked.conductor import errors, metrics
+from mooncaked.conductor.core import Chunk, Conductor
 from mooncaked.conductor.kv_indexer import KVIndexer
 from mooncaked.conductor.fanout import first_chunks, merged
 from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
 from mooncaked.conductor.json_body import decode_json
-from mooncaked.conductor.openai_response import Responder, TokenTexts, merge_chunks, usage
-from mooncaked.conductor.openai_schema import ApiError, GenerateSpec, ServedModel, bad, parse_chat, parse_completion
+from mooncaked.conductor.openai_response import Responder, TokenTexts, usage
+from mooncaked.conductor.openai_schema import ApiError, GenerateSpec, ServedModel, parse_chat, parse_completion
+from mooncaked.conductor.wire import spec_from_proto
 from mooncaked.security import TOKEN_HEADER, Security
 
 log = logging.getLogger(__name__)
@@ -36,45 +37,46 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = {"/health"}  # probes carry no API key (and /metrics, unless --metrics-require-key)
 TOKEN_PATHS = {"/register", "/unregister"}  # KV-indexer writes also need the cluster secret (X-Mooncaked-Token)
 
-# gRPC status of the request path -> (HTTP status, OpenAI error type, code)
-STATUS_MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", None),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+# the core's errors -> (HTTP status, OpenAI error type, code)
+_INVALID = (400, "invalid_request_error", None)
+_UNAVAILABLE = (503, "server_error", "service_unavailable")
+_TIMEOUT = (504, "server_error", "timeout")
+STATUS_MAP: dict[type[errors.ConductorError], tuple[int, str, str | None]] = {
+    errors.BadRequest: _INVALID,
+    errors.FailedPrecondition: _INVALID,
+    errors.OutOfRange: _INVALID,
+    errors.AlreadyExists: (409, "invalid_request_error", None),
+    errors.NotFound: (404, "invalid_request_error", None),
+    errors.Rejected: (429, "rate_limit_error", "rate_limit_exceeded"),
+    errors.NoInstance: _UNAVAILABLE,
+    errors.PeerFailed: _UNAVAILABLE,
+    errors.DeadlineExceeded: _TIMEOUT,
+}
+# a failed peer answers as its engine's failure did (by its kind); kinds not here: 503
+PEER_STATUS_MAP: dict[str, tuple[int, str, str | None]] = {
+    "deadline": _TIMEOUT,
+    "exhausted": (429, "rate_limit_error", "rate_limit_exceeded"),
+    "cancelled": (499, "server_error", "cancelled"),
+    "invalid": _INVALID, "precondition": _INVALID, "out_of_range": _INVALID,
+    "not_found": (404, "invalid_request_error", None),
+    "aborted": (500, "server_error", "internal_error"),
+    "internal": (500, "server_error", "internal_error"),
 }
 
 
-class UpstreamError(Exception):
-    """The request path aborted with a gRPC status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _HttpContext:
-    """What ``generate_stream`` needs of a front's context: an ``abort`` that raises."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise UpstreamError(code, details)
-
-
-def api_error(e: UpstreamError) -> ApiError:
-    status, type_, code = STATUS_MAP.get(e.code, (500, "server_error", "internal_error"))
-    return ApiError(status, e.details or e.code.name.lower(), type_, None, code)
+def api_error(e: errors.ConductorError) -> ApiError:
+    if isinstance(e, errors.PeerFailed):
+        status, type_, code = PEER_STATUS_MAP.get(e.kind, _UNAVAILABLE)
+    else:
+        status, type_, code = STATUS_MAP.get(type(e), (500, "server_error", "internal_error"))
+    return ApiError(status, str(e) or type(e).__name__, type_, None, code)
 
 
 @dataclass
 class HttpFront:
-    """The handlers; ``service`` is the running ``ConductorService``."""
+    """The handlers over a running ``Conductor`` (its request path, registry and readiness)."""
 
-    service: Any
+    conductor: Conductor
     served: ServedModel
     api_key: str | None
     indexer: KVIndexer
@@ -142,7 +144,7 @@ class HttpFront:
     @functools.cached_property
     def texts(self) -> TokenTexts:
         """Token id -> text for log-probs, with the conductor's tokenizer."""
-        return TokenTexts(lambda ids: self.service.tokenizer.decode(ids, skip_special_tokens=False))
+        return TokenTexts(lambda ids: self.conductor.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _prompt_text(self, spec: GenerateSpec) -> str:
         """What ``echo`` puts before the answer: the prompt as sent, or its token ids decoded."""
@@ -150,20 +152,25 @@ class HttpFront:
             return ""
         if spec.request.WhichOneof("input") == "prompt":
             return spec.request.prompt
-        return self.service.tokenizer.decode(list(spec.request.token_ids.ids), skip_special_tokens=False)
+        return self.conductor.tokenizer.decode(list(spec.request.token_ids.ids), skip_special_tokens=False)
 
     async def _generate(self, request: web.Request, spec: GenerateSpec) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
             streams = []
-            for req in spec.choice_requests():  # n > 1: one request per choice (fanout.py)
-                stream = self.service.generate_stream(req, _HttpContext(), front="http")
+            try:
+                specs = [spec_from_proto(req, front="http") for req in spec.choice_requests()]
+            except errors.BadRequest as e:  # sampling the engine cannot honour
+                metrics.refused("http", "invalid_argument")
+                raise api_error(e) from None
+            for one in specs:  # n > 1: one request per choice (fanout.py)
+                stream = self.conductor.generate(one)
                 stack.push_async_callback(stream.aclose)
                 streams.append(stream)
             # wait for the first chunks before answering: until then every failure (early
             # rejection, no instance) still gets its own status instead of a broken 200 stream
             try:
                 firsts = await first_chunks(streams)
-            except UpstreamError as e:
+            except errors.ConductorError as e:
                 raise api_error(e) from None
             if any(f is None for f in firsts):
                 raise ApiError(500, "the request produced no tokens", "server_error")
@@ -176,11 +183,11 @@ class HttpFront:
             try:
                 async for i, c in rest:
                     chunks[i].append(c)
-            except UpstreamError as e:
+            except errors.ConductorError as e:
                 raise api_error(e) from None
         use = usage(firsts[0].prompt_tokens, sum(len(c.token_ids) for cs in chunks for c in cs),
-                    firsts[0].num_cached_tokens)
-        return web.json_response(out.response([merge_chunks(cs) for cs in chunks], use))
+                    firsts[0].cached_tokens)
+        return web.json_response(out.response([Chunk.join(cs) for cs in chunks], use))
 
     async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -199,12 +206,12 @@ class HttpFront:
                 async for i, c in rest:
                     n_tokens += len(c.token_ids)
                     await send(out.chunk(i, c))
-            except UpstreamError as e:
+            except errors.ConductorError as e:
                 # headers are gone: the error travels in the stream, as OpenAI's does
                 await send(api_error(e).body())
             else:
                 if out.spec.include_usage:
-                    await send(out.usage_chunk(usage(firsts[0].prompt_tokens, n_tokens, firsts[0].num_cached_tokens)))
+                    await send(out.usage_chunk(usage(firsts[0].prompt_tokens, n_tokens, firsts[0].cached_tokens)))
             await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:
@@ -244,25 +251,25 @@ class HttpFront:
 
     # -- operations ---------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
-        metrics.refresh(self.service.registry, len(self.service.index))
+        metrics.refresh(self.conductor.registry, len(self.conductor.index))
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
         """Ready when at least one prefill and one decode instance serve: a balancer should send
         no traffic to a conductor that can only answer 503. While the cluster starts (requests
         wait, conductor/readiness.py) the 503 says "starting"; after that, "unavailable"."""
-        reg = self.service.registry
+        reg = self.conductor.registry
         counts = {role: len(reg.available(role)) for role in ("prefill", "decode")}
-        state = self.service.gate.state(reg)
+        state = self.conductor.gate.state(reg)
         if state == "ready":
             return web.json_response({"status": "ok", **counts})
         return web.json_response({"status": state, **counts}, status=503)
 
 
-def make_app(service: Any, served: ServedModel, api_key: str | None, security: Security | None = None,
+def make_app(conductor: Conductor, served: ServedModel, api_key: str | None, security: Security | None = None,
              metrics_require_key: bool = False, limits: HttpLimits | None = None) -> web.Application:
     limits = limits or HttpLimits()
-    front = HttpFront(service, served, api_key, KVIndexer(service), security=security or Security(),
+    front = HttpFront(conductor, served, api_key, KVIndexer(conductor), security=security or Security(),
                       metrics_require_key=metrics_require_key, limits=limits)
     app = web.Application(middlewares=[front.errors, front.auth], client_max_size=limits.max_request_bytes)
     app.add_routes([
@@ -281,7 +288,7 @@ def make_app(service: Any, served: ServedModel, api_key: str | None, security: S
     return app
 
 
-async def start_http(service: Any, served: ServedModel, host: str, port: int, api_key: str | None,
+async def start_http(conductor: Conductor, served: ServedModel, host: str, port: int, api_key: str | None,
                      shutdown_timeout_s: float, *, security: Security | None = None,
                      metrics_require_key: bool = False,
                      limits: HttpLimits | None = None) -> tuple[web.AppRunner, int]:
@@ -292,7 +299,7 @@ async def start_http(service: Any, served: ServedModel, host: str, port: int, ap
     security = security or Security()
     limits = limits or HttpLimits()
     # handler_cancellation: a client that disconnects cancels its handler, hence its request
-    runner = web.AppRunner(make_app(service, served, api_key, security, metrics_require_key, limits),
+    runner = web.AppRunner(make_app(conductor, served, api_key, security, metrics_require_key, limits),
                            handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None)
     await runner.setup()
     site = GuardedSite(runner, host, port, limits, ssl_context=security.http_ssl_context(), access_log=None)

@@ -220,7 +220,9 @@ class KVIndexer:
 
     # -- /events ----------------------------------------------------------------------------------
     def events(self, body: Any) -> dict[str, Any]:
-        """KV events of registered sources, as JSON with RFC #1527's field names."""
+        """KV events of registered sources, as JSON with RFC #1527's field names. A "stored" event adds
+        its medium to what the source holds; a "removed" one with a medium takes only that medium away
+        (the source may still hold the block elsewhere), without one every medium."""
         events = self._body(body).get("events")
         if not isinstance(events, list):
             raise bad("events must be a list", "events")
@@ -229,8 +231,8 @@ class KVIndexer:
         for kind, key, hashes, medium in checked:
             if kind == "stored":
                 index.stored(key, hashes, medium)
-            elif kind == "removed":
-                index.removed(key, hashes)
+            elif kind == "removed":  # BlockRemoved: from that medium only when it names one
+                index.removed(key, hashes, medium)
             else:
                 index.drop_instance(key)
         return {"applied": len(checked)}
@@ -258,7 +260,10 @@ class KVIndexer:
         if kind != "cleared":
             name = "seq_hashes" if "seq_hashes" in e else "block_hashes"
             hashes = _ints(e.get(name), f"{where}.{name}", _U64, self._max_blocks)
-        medium = MEDIA.get(str(e.get("medium") or "cpu").lower())
+        raw = e.get("medium")
+        if kind == "removed" and raw in (None, ""):
+            return kind, key, hashes, ""  # from every medium
+        medium = MEDIA.get(str(raw or "cpu").lower())
         if medium is None:
             raise bad(f"{where}.medium must be one of {sorted(MEDIA)}", f"{where}.medium")
         return kind, key, hashes, medium

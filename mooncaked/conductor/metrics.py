@@ -67,6 +67,12 @@ def rejected(reason: str) -> None:
     REJECTIONS.labels(reason).inc()
 
 
+def refused(front: str, reason: str) -> None:
+    """A request a front refused before handing it to the request path (its input did not parse)."""
+    rejected(reason)
+    REQUESTS.labels(front, "rejected").inc()
+
+
 def _total(metric: Any, suffix: str = "") -> float:
     """The sum of a labelled series over its labels (what `mooncakectl status` shows)."""
     return sum(s.value for m in metric.collect() for s in m.samples if s.name == m.name + suffix)
@@ -134,23 +140,3 @@ class StreamTimer:
         """outcome: ok | rejected | error | cancelled."""
         INFLIGHT.labels(self.front).dec()
         REQUESTS.labels(self.front, outcome).inc()
-
-
-class CountingContext:
-    """Wraps a front's context so every ``abort`` is counted as a rejection by its status name;
-    any other attribute goes to the wrapped context."""
-
-    def __init__(self, inner: Any, timer: StreamTimer) -> None:
-        self._inner = inner
-        self._timer = timer
-        self.aborted = False
-
-    async def abort(self, code: Any, details: str = "", reason: str | None = None) -> None:
-        """``reason`` names a finer cause than the status (e.g. ``ttft_slo`` for early rejection)."""
-        if not self.aborted and self._timer.first_at is None:
-            rejected(reason or getattr(code, "name", str(code)).lower())
-        self.aborted = True
-        await self._inner.abort(code, details)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)

@@ -24,9 +24,10 @@ import grpc
 
 from mooncaked.conductor import metrics
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
-from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
+from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
+from mooncaked.store.master_link import MasterLink
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,11 @@ class PoolWatch:
         self.stream_deadline_s = stream_deadline_s
         self.retry_s = retry_s
         self.max_retry_s = max_retry_s
-        self.channel = (security or Security()).channel(store, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-        self.stub = store_pb2_grpc.StoreMasterStub(self.channel)
+        # one master: a plain stub; masters under HA (`etcd://...` or a list): the link follows the leader
+        self.link = self.channel = MasterLink(store, security, CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+        self.stub = self.link.stub
+        self._moved = asyncio.Event()  # a new leader: resubscribe now, not after the backoff
+        self.link.on_change(lambda _address: self._moved.set())
         self.synced = False  # the current stream's snapshot is applied
         self.epoch = 0  # the master's, as of the last snapshot
         self.subscriptions = 0
@@ -82,8 +86,12 @@ class PoolWatch:
             log.log(logging.WARNING if warn else logging.INFO,
                     "no pool events from store master %s (%s)%s; resubscribing in %.1fs (attempt %d)", self.store,
                     why, "; the pool's blocks left the prefix index" if dropped else "", pause, failures)
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, self.max_retry_s)
+            try:  # a new leader (under HA) ends the wait
+                await asyncio.wait_for(self._moved.wait(), pause)
+                pause = self.retry_s
+            except asyncio.TimeoutError:
+                pause = min(2 * pause, self.max_retry_s)
+            self._moved.clear()
 
     async def _follow(self) -> None:
         """One subscription: replace what the index holds for the pool by the snapshot, then follow."""
@@ -100,7 +108,8 @@ class PoolWatch:
                     self.synced = True
                     self.epoch = msg.master_epoch
                     metrics.POOL_WATCH_UP.set(1)
-                    log.info("following the pool at store master %s (epoch %d)", self.store, msg.master_epoch)
+                    log.info("following the pool at store master %s (epoch %d)", self.link.address or self.store,
+                             msg.master_epoch)
         finally:
             call.cancel()
 
@@ -110,12 +119,12 @@ class PoolWatch:
             hashes = self._hashes(e.keys)
             if not hashes:
                 continue
-            if e.kind == _STORED:
-                self.index.stored(POOL_HOLDER, hashes, e.medium or "dram")
+            if e.kind == _STORED:  # where the pool holds them at best now: replaces what the index had
+                self.index.stored(POOL_HOLDER, hashes, e.medium or "dram", replace=True)
                 self._holding = True
                 metrics.POOL_EVENTS.labels("stored").inc(len(hashes))
-            elif e.kind == _REMOVED:
-                self.index.removed(POOL_HOLDER, hashes)
+            elif e.kind == _REMOVED:  # gone from the pool (evicted, removed, its segment lost): every medium
+                self.index.removed(POOL_HOLDER, hashes, e.medium)
                 metrics.POOL_EVENTS.labels("removed").inc(len(hashes))
             else:
                 log.warning("pool event of unknown kind %d for %d keys ignored", e.kind, len(hashes))

@@ -2,40 +2,53 @@
 
 Engines register and heartbeat; an instance whose heartbeats stop for
 ``heartbeat_timeout_s`` is marked dead, and a dead or draining one gets no new work.
-A registration under a known name is a restarted process: it gets a fresh channel at once
-(the old one, possibly in gRPC's reconnect backoff, is closed). ``changes`` wakes requests
-that wait for an instance or for decode KV room (conductor/waiting.py).
+A registration under a known name is a restarted process: it gets a fresh link at once
+(the old one, possibly in its transport's reconnect backoff, is closed). ``changes`` wakes
+requests that wait for an instance or for decode KV room (conductor/waiting.py).
+
+The records are plain data; how an instance is reached is its ``EngineLink``, made by the
+``connect`` function the registry is given (gRPC in the daemon, in-process in tests).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
+from mooncaked.conductor.engine_link import DEAD, DRAINING, SERVING, STARTING, EngineLink, TransferEndpoint
 from mooncaked.conductor.waiting import Changes
 from mooncaked.engine.kv_cache import KVLayout
-from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2_grpc
-from mooncaked.rpc import CHANNEL_OPTIONS
-from mooncaked.security import Security
 from mooncaked.tasks import spawn
+
+__all__ = ["DEAD", "DRAINING", "SERVING", "STARTING", "Connect", "Instance", "InstanceLoad", "Registry"]
 
 log = logging.getLogger(__name__)
 
-SERVING = common_pb2.INSTANCE_STATE_SERVING
-DRAINING = common_pb2.INSTANCE_STATE_DRAINING
-DEAD = common_pb2.INSTANCE_STATE_DEAD
-# in-flight calls on a replaced channel (a restarted instance's old process) get this long to end
-OLD_CHANNEL_GRACE_S = 1.0
-# each instance's channel owns its connections: with gRPC's process-wide subchannel pool a fresh channel
-# to a restarted instance shares the old one's subchannel, still in reconnect backoff ("connection refused"
-# for seconds after the instance is back). Reconnects are tried within a second, not after gRPC's two
-# minutes; the connect timeout stays gRPC's 20 s (a stalled instance is waited for, not failed in 100 ms)
-INSTANCE_CHANNEL_OPTIONS = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
-                                              ("grpc.max_reconnect_backoff_ms", 1000),
-                                              ("grpc.use_local_subchannel_pool", 1)]
+# in-flight calls on a replaced link (a restarted instance's old process) get this long to end
+OLD_LINK_GRACE_S = 1.0
+
+Connect = Callable[[str, str], EngineLink]
+"""``(name, address) -> link``: how the registry reaches a newly registered instance."""
+
+
+@dataclass
+class InstanceLoad:
+    """What an engine last reported of its load (heartbeats)."""
+
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_query_blocks: int = 0
+    prefill_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    decode_tokens: int = 0
+    cached_kv_blocks: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -45,14 +58,13 @@ class Instance:
     address: str
     model_id: str
     layout: KVLayout
-    transfer: common_pb2.TransferEndpoint
+    transfer: TransferEndpoint = field(default_factory=TransferEndpoint)
     registered_at: float = field(default_factory=time.monotonic)
     last_heartbeat: float = field(default_factory=time.monotonic)
-    state: int = SERVING
+    state: str = SERVING
     drained_by_operator: bool = False
-    load: common_pb2.InstanceLoad = field(default_factory=common_pb2.InstanceLoad)
-    channel: grpc.aio.Channel | None = None
-    stub: engine_pb2_grpc.EngineStub | None = None
+    load: InstanceLoad = field(default_factory=InstanceLoad)
+    link: EngineLink | None = None
     inflight: int = 0  # requests the conductor has routed here and not yet seen finish
     dead_since: float | None = None  # when it was last marked dead
 
@@ -60,11 +72,16 @@ class Instance:
     def available(self) -> bool:
         return self.state == SERVING and not self.drained_by_operator
 
+    @property
+    def shown_state(self) -> str:
+        """What status screens show: DRAINING while an operator drained it, unless it is dead."""
+        return DRAINING if self.drained_by_operator and self.state != DEAD else self.state
+
 
 class Registry:
-    def __init__(self, heartbeat_timeout_s: float, security: Security | None = None) -> None:
+    def __init__(self, heartbeat_timeout_s: float, connect: Connect | None = None) -> None:
         self.timeout_s = heartbeat_timeout_s
-        self.security = security or Security()  # how the conductor dials instances (TLS, token)
+        self.connect = connect  # None: instances come with their link (or need none)
         self.instances: dict[str, Instance] = {}
         self.changes = Changes()
 
@@ -80,17 +97,16 @@ class Registry:
         old = self.instances.get(inst.name)
         if old is not None:
             inst.drained_by_operator = old.drained_by_operator
-            if old.channel is not None:
-                # a new registration is a new process: the old channel may sit in reconnect backoff
-                spawn(old.channel.close(OLD_CHANNEL_GRACE_S), f"close-channel-{old.name}")
-        if inst.channel is None:
-            inst.channel = self.security.channel(inst.address, options=INSTANCE_CHANNEL_OPTIONS)
-            inst.stub = engine_pb2_grpc.EngineStub(inst.channel)
+            if old.link is not None and old.link is not inst.link:
+                # a new registration is a new process: the old link may sit in reconnect backoff
+                spawn(old.link.close(OLD_LINK_GRACE_S), f"close-link-{old.name}")
+        if inst.link is None and self.connect is not None:
+            inst.link = self.connect(inst.name, inst.address)
         self.instances[inst.name] = inst
         log.info("registered %s %s at %s", inst.role, inst.name, inst.address)
         self.changes.notify()
 
-    def heartbeat(self, name: str, load: common_pb2.InstanceLoad, state: int) -> Instance | None:
+    def heartbeat(self, name: str, load: InstanceLoad, state: str) -> Instance | None:
         inst = self.instances.get(name)
         if inst is None:
             return None
@@ -108,6 +124,8 @@ class Registry:
         inst = self.instances.pop(name, None)
         if inst is not None:
             log.info("deregistered %s", name)
+            if inst.link is not None:
+                spawn(inst.link.close(OLD_LINK_GRACE_S), f"close-link-{name}")
         return inst
 
     def mark_dead(self, name: str, why: str) -> None:
@@ -119,7 +137,7 @@ class Registry:
 
     def mark_lost(self, inst: Instance, why: str) -> None:
         """A call to ``inst`` found it unreachable: mark it dead, unless it has re-registered since
-        (a late failure on the old process's channel says nothing about the new one)."""
+        (a late failure on the old process's link says nothing about the new one)."""
         if self.instances.get(inst.name) is inst:
             self.mark_dead(inst.name, why)
 
@@ -129,12 +147,15 @@ class Registry:
         return [i for i in self.instances.values()
                 if i.role == role and i.state == DEAD and i.dead_since is not None and now - i.dead_since < window_s]
 
-    def sweep(self) -> None:
-        """Mark instances dead whose heartbeats stopped."""
+    def sweep(self) -> list[Instance]:
+        """Mark instances dead whose heartbeats stopped; the ones marked now."""
         now = time.monotonic()
+        died = []
         for inst in self.instances.values():
             if inst.state != DEAD and now - inst.last_heartbeat > self.timeout_s:
                 self.mark_dead(inst.name, f"no heartbeat for {now - inst.last_heartbeat:.1f}s")
+                died.append(inst)
+        return died
 
     def available(self, role: str) -> list[Instance]:
         return [i for i in self.instances.values() if i.role == role and i.available]
@@ -151,3 +172,9 @@ class Registry:
             return inst
         at = [i for i in self.instances.values() if i.address == name_or_address]
         return max(at, key=lambda i: (i.state != DEAD, i.registered_at), default=None)
+
+    async def close(self) -> None:
+        """Close every instance's link (the conductor is stopping)."""
+        for inst in self.instances.values():
+            if inst.link is not None:
+                await inst.link.close()

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mooncaked.conductor.cost_model import GENERIC, InstanceModel, PrefillBacklog, Profile
+from mooncaked.conductor.engine_link import DEAD, POOL, PrefillPlan
+from mooncaked.conductor.errors import NoInstance, Rejected
 from mooncaked.conductor.policies import CacheAwareLocalPolicy, Policy
-from mooncaked.conductor.prefix_index import PrefixIndex
+from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.registry import Instance, Registry
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
 
@@ -30,23 +32,9 @@ log = logging.getLogger(__name__)
 UNKNOWN_REMAINING_TOKENS = 256
 
 
-class NoInstanceError(Exception):
-    """No instance can take the request now; the message (and ``role``) say which role is missing."""
-
-    def __init__(self, message: str, role: str = "") -> None:
-        super().__init__(message)
-        self.role = role  # "prefill" | "decode"
-
-
-class RejectedError(Exception):
-    """Early rejection: serving the request now would break an SLO (map to RESOURCE_EXHAUSTED / 429).
-
-    ``reason`` is machine-readable ("ttft_slo", "tbt_slo", "kv_capacity") for metrics.
-    """
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+# the typed errors a pick raises (conductor/errors.py), under the names the scheduler's tests know
+NoInstanceError = NoInstance  # no instance of ``role`` can take the request now
+RejectedError = Rejected  # early rejection: serving the request now would break an SLO; ``reason`` says which
 
 
 @dataclass
@@ -55,6 +43,24 @@ class Route:
     decode: Instance
     cached_blocks: int
     decision: Decision | None = None
+
+    def plan(self, find: Callable[[str], Instance | None] = lambda name: None) -> PrefillPlan | None:
+        """What the policy decided the prefill should reuse and pull; travels with the prefill call.
+        ``find`` names a holder's instance: a pull from a live peer goes straight to its KV cache (at
+        its address); from the pool's holder, or a peer that is gone, it goes to the pool."""
+        d = self.decision
+        if d is None:
+            return None
+        pull_blocks = max(0, d.reuse_blocks - d.local_blocks)
+        source, address = "", ""
+        if pull_blocks and d.pull_from:
+            peer = find(d.pull_from) if d.pull_from not in (POOL, POOL_HOLDER) else None
+            if peer is not None and peer.state != DEAD and peer is not self.prefill:
+                source, address = peer.name, peer.address
+            else:
+                source = POOL
+        return PrefillPlan(reuse_blocks=d.local_blocks, pull_from=source, pull_blocks=pull_blocks if source else 0,
+                           pull_address=address, replicate=d.replicate)
 
 
 @dataclass
@@ -177,7 +183,7 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
 def pick(registry: Registry, index: PrefixIndex, hashes: list[int], prompt_len: int,
          exclude: set[str] | frozenset[str] = frozenset(), *, state: SchedulerState | None = None,
          max_tokens: int = 1, request_id: str = "", arrival_s: float | None = None) -> Route:
-    """Route a request; raises ``NoInstanceError`` (no instance of a role) or ``RejectedError`` (SLO).
+    """Route a request; raises ``NoInstance`` (no instance of a role) or ``Rejected`` (SLO).
 
     ``state`` carries the policy, fitted models and ledgers; call ``state.routed`` with the
     result. Without it a throwaway state with the cache-aware local policy and a
@@ -193,9 +199,9 @@ def pick(registry: Registry, index: PrefixIndex, hashes: list[int], prompt_len: 
     decision = state.policy.decide(request, view)
     if isinstance(decision, Rejection):
         if decision.reason in ("no_prefill", "no_decode"):
-            raise NoInstanceError(decision.detail, decision.reason.removeprefix("no_"))
+            raise NoInstance(decision.detail, decision.reason.removeprefix("no_"))
         log.info("rejected %s early (%s): %s", request_id or "a request", decision.reason, decision.detail)
-        raise RejectedError(decision.reason, decision.detail)
+        raise Rejected(decision.detail, decision.reason)
     return Route(registry.find(decision.prefill), registry.find(decision.decode), decision.reuse_blocks, decision)
 
 

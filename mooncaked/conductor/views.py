@@ -46,7 +46,10 @@ class InstanceView:
     Prefill figures: ``own_blocks`` leading prompt blocks in its own cache (``own_slow_blocks``
     of them on its local disk tier), ``pool_blocks`` leading blocks the pool (any holder) can
     serve it (``pool_slow_blocks`` of them from disk only), ``queued_tokens`` and the predicted
-    ``queued_s`` before a new request would start there. Decode figures: ``batch`` (running
+    ``queued_s`` before a new request would start there, and ``pending_blocks`` leading
+    prompt blocks that prefills already routed there (queued or running) are computing: they
+    are in its cache by the time a request sent there now starts (its queue is first come,
+    first served). 0 when the caller does not track them. Decode figures: ``batch`` (running
     and incoming sequences) and its KV capacity in blocks (0 total = unknown, unbounded).
     ``model`` is this instance's own fitted step-time and transfer model.
     """
@@ -61,6 +64,7 @@ class InstanceView:
     pool_slow_blocks: int = 0
     queued_tokens: int = 0
     queued_s: float = 0.0
+    pending_blocks: int = 0
     batch: tuple[SeqLoad, ...] = ()
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0

@@ -1,7 +1,7 @@
 """What a request waits on instead of failing: a request's time budget, a backoff, and a wake-up.
 
 A request that finds no decode KV room now, or whose only decode instance was just lost, waits
-and asks again rather than answering 503 (roles/conductor.py). Waiting is bounded by the
+and asks again rather than answering 503 (conductor/core.py). Waiting is bounded by the
 request's own deadline (gRPC's); a request without one (the HTTP front) waits at most
 ``REQUEST_WAIT_S``. Waiters sleep on ``Changes`` — woken when the registry changes (an instance
 registers, comes back, reports freed KV) or when this conductor sees blocks freed (a stream
@@ -69,13 +69,14 @@ class Deadline:
         self.started_s = self.started_s or self.clock()
 
     @classmethod
-    def of(cls, context, clock: Callable[[], float] = time.monotonic) -> "Deadline":
-        """From a front's context: gRPC's ``time_remaining()`` (None without a deadline); the HTTP
-        front's context has none."""
-        remaining = getattr(context, "time_remaining", None)
-        left = remaining() if callable(remaining) else None
+    def within(cls, left_s: float | None, clock: Callable[[], float] = time.monotonic) -> "Deadline":
+        """A budget of ``left_s`` seconds from now (None: the client set no deadline)."""
         now = clock()
-        return cls(None if left is None else now + left, clock, now)
+        return cls(None if left_s is None else now + left_s, clock, now)
+
+    def client_left_s(self) -> float | None:
+        """Seconds to the client's deadline, None without one."""
+        return None if self.client_s is None else max(0.0, self.client_s - self.clock())
 
     @property
     def wait_until_s(self) -> float:

@@ -150,6 +150,23 @@ class BlockManager:
                 self.events.append(KVEvent("stored", (chain,)))
         return block_id
 
+    def acquire_cached(self, hashes: list[int]) -> list[int]:
+        """Reference the cached blocks of the leading run of these chain hashes (lent to a peer that
+        reads their KV: referenced, they are not recycled); ``release`` gives them back. No hit counted."""
+        found: list[int] = []
+        for h in hashes:
+            block_id = self._cached.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        for block_id in found:
+            self._acquire(block_id)
+        return found
+
+    def cached_hashes(self) -> list[int]:
+        """Every chain hash findable in the cache now (a snapshot for a conductor that registers us)."""
+        return list(self._cached)
+
     def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         return events

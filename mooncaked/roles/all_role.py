@@ -1,12 +1,14 @@
-"""`mooncaked --role all`: a whole cluster on one machine — conductor, store master, one prefill
-and one decode — as supervised child processes started with ``spawn`` (no fork: the KV
-pools are large and copy-on-write faults would dominate). A child that dies takes the
-cluster down (systemd restarts it); SIGTERM drains every child.
+"""`mooncaked --role all`: a whole cluster on one machine — conductor, store master,
+``--prefill-instances`` prefills and ``--decode-instances`` decodes (one each by default) — as
+supervised child processes started with ``spawn`` (no fork: the KV pools are large and
+copy-on-write faults would dominate). Each engine binds its own gRPC and transfer ports, names
+itself after them and keeps its LMDB tier in a subfolder of its own; every prefill lends the pool
+DRAM. A child that dies takes the cluster down (systemd restarts it); SIGTERM drains every child.
 
 What it prints is true when printed: "conductor on ..." once the conductor child accepts on
 both fronts (it says so over a private notify socket, systemd's protocol), from which moment
 a request waits for the engines rather than failing (conductor/readiness.py); "cluster
-ready" once a prefill and a decode serve, which is also when systemd hears READY=1."""
+ready" once every engine serves, which is also when systemd hears READY=1."""
 
 from __future__ import annotations
 
@@ -46,9 +48,11 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
         values.update({"name": "", "metrics": None, **over})
         return cls(**values)
 
-    def engine(cls: type[RoleConfig], role: str, **over) -> RoleConfig:
-        """Two engines cannot share a data-plane port or an LMDB folder: any port, a folder each."""
-        lmdb = str(Path(cfg.store_lmdb_path) / role) if cfg.store_lmdb_path else None
+    def engine(cls: type[RoleConfig], role: str, i: int, **over) -> RoleConfig:
+        """Two engines cannot share a data-plane port or an LMDB folder: any port, a folder each
+        (ROLE for the first of a role, ROLE-I for the others)."""
+        folder = role if i == 0 else f"{role}-{i}"
+        lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path else None
         return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
                     transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_lmdb_path=lmdb, **over)
 
@@ -59,8 +63,10 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
         out.append(make(StoreConfig, role="store", listen=store))
     # engines bind any free port and register the one they got: no port can be taken between pick and bind;
     # they name themselves ROLE-HOST-PORT after that port, as every instance without --name does
-    out.append(engine(PrefillConfig, "prefill", store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
-    out.append(engine(DecodeConfig, "decode"))
+    for i in range(cfg.prefill_instances):
+        out.append(engine(PrefillConfig, "prefill", i, store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
+    for i in range(cfg.decode_instances):
+        out.append(engine(DecodeConfig, "decode", i))
     return out
 
 
@@ -145,7 +151,8 @@ async def run_all_role(cfg: AllConfig) -> int:
               f"  try: mooncakectl --conductor {conductor}{tls} status\n"
               f"       mooncakectl --conductor {conductor}{tls} generate \"What is the capital of France?\"",
               flush=True)
-        ready = await _wait_ready(conductor, stopping, children, security)
+        engines = cfg.prefill_instances + cfg.decode_instances
+        ready = await _wait_ready(conductor, stopping, children, security, engines)
         if ready is not None:
             names = ", ".join(f"{i.name} at {i.address}" for i in ready.instances)
             print(f"mooncaked all: cluster ready ({names})", flush=True)
@@ -192,8 +199,9 @@ async def _conductor_accepting(conductor_ready: asyncio.Future, stopping: asynci
     return None
 
 
-async def _wait_ready(conductor: str, stopping: asyncio.Event, children, security):
-    """Until the conductor reports a serving prefill and decode instance: its Status reply, or None."""
+async def _wait_ready(conductor: str, stopping: asyncio.Event, children, security, engines: int):
+    """Until the conductor reports every engine serving (``engines`` of them, prefill and decode
+    among them): its Status reply, or None."""
     import grpc
 
     from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
@@ -206,8 +214,8 @@ async def _wait_ready(conductor: str, stopping: asyncio.Event, children, securit
                 return None
             try:
                 st = await stub.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=2)
-                roles = {i.role for i in st.instances if i.state == 2}
-                if len(roles) >= 2:
+                serving = [i for i in st.instances if i.state == 2]
+                if len({i.role for i in serving}) >= 2 and len(serving) >= engines:
                     log.info("cluster ready after %.1fs", time.monotonic() - start)
                     return st
             except grpc.aio.AioRpcError:

@@ -21,15 +21,15 @@ from mooncaked.config import WorkerConfig
 from mooncaked.engine import Engine
 from mooncaked.engine.loader import resolve_model_dir
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_grpc
-from mooncaked.roles.convert import layout_to_proto
-from mooncaked.roles.kv_push import KV_REGION
-from mooncaked.roles.membership import Membership
-from mooncaked.roles.pool_cache import PoolCache
+from mooncaked.convert import layout_to_proto
+from mooncaked.instance.kv_push import KV_REGION
+from mooncaked.instance.pool_cache import PoolCache
+from mooncaked.roles.membership import Memberships
 from mooncaked.rpc import RoleServer, sd_notify
 from mooncaked.security import Security
 from mooncaked.startup import listening
 from mooncaked.tasks import spawn
-from mooncaked.roles.worker import WorkerService
+from mooncaked.roles.worker import PeerLinks, WorkerService
 from mooncaked.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,10 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     engine.start_driver(loop)
     with listening("--transfer-listen", cfg.transfer_listen):
         await transfer.start()
-    service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push)
+    # a prefill's plan may pull KV from a peer's cache: its Lend over gRPC, the bytes over the transfer engine
+    peers = PeerLinks(security)
+    service = WorkerService(cfg.name, role, engine, transfer, model_dir.name, cfg.kv_push, peers=peers)
+    worker = service.worker
     if cfg.debug_kill_engine_after_steps:
         engine.layer_hook = _dying_hook(engine.layer_hook, cfg.debug_kill_engine_after_steps)
     server = RoleServer(str(cfg.listen), ["mooncake.v1.Engine"], security=security)
@@ -67,7 +70,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     service.name = cfg.name
     store = await _start_store_client(cfg, transfer, security) if cfg.store is not None else None
     if store is not None:
-        service.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
+        worker.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
 
     def register() -> conductor_pb2.RegisterRequest:
@@ -86,8 +89,17 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
                                               events=events, decode_samples=samples[-64:])
 
-    membership = Membership(str(cfg.conductor), register, heartbeat, cfg.heartbeat_interval_s, security)
-    tasks = [spawn(membership.run(), "membership"), spawn(service.expire_reservations(), "reservations")]
+    async def snapshot() -> list[common_pb2.KVEvent]:
+        """Every block cached now, for a conductor that has just registered us (on the engine thread:
+        the block manager is not thread-safe)."""
+        hashes = await engine.call(engine.block_manager.cached_hashes)
+        return [common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=hashes, medium=medium,
+                                   instance=cfg.name)] if hashes else []
+
+    # every conductor listed (--conductor A,B) gets our registration, heartbeats and every KV event
+    membership = Memberships([str(c) for c in cfg.conductor], register, heartbeat, cfg.heartbeat_interval_s,
+                             security, snapshot)
+    tasks = [*membership.start(), spawn(service.expire_reservations(), "reservations")]
     server.install_signal_handlers()
     print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}; "
           f"security: {security.mode}", flush=True)
@@ -97,27 +109,25 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     # drain: take no new work, finish what is in flight, abort the rest, leave the cluster
     sd_notify("STOPPING=1")
     _exit_hard_after(cfg.drain_timeout_s + STOP_MARGIN_S, cfg.name)
-    service.draining = True
+    worker.draining = True
     if engine.driver_failure is None:
         log.info("%s draining (up to %.0fs)", cfg.name, cfg.drain_timeout_s)
         deadline = time.monotonic() + cfg.drain_timeout_s
-        while not service.idle() and time.monotonic() < deadline:
+        while not worker.idle() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        if not service.idle():
+        if not worker.idle():
             log.warning("%s: drain timeout; aborting what is left", cfg.name)
             engine.abort_all()
             for _ in range(10):  # the handlers answer their callers as the aborts land
-                if service.idle():
+                if worker.idle():
                     break
                 await asyncio.sleep(0.1)
-    try:
-        await asyncio.wait_for(membership.deregister(cfg.name), DEREGISTER_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        log.warning("%s: the conductor did not answer Deregister in %.0fs", cfg.name, DEREGISTER_TIMEOUT_S)
+    await membership.deregister(cfg.name, DEREGISTER_TIMEOUT_S)  # every conductor at once, each bounded
     for t in tasks:
         t.cancel()
     await server.stop(1.0)
     await membership.close()
+    await peers.close()
     engine.close()
     if store is not None:
         await store.close()
@@ -126,7 +136,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     return exit_code
 
 
-async def _until_stop_or_death(server: RoleServer, engine: Engine, membership: Membership, name: str) -> int:
+async def _until_stop_or_death(server: RoleServer, engine: Engine, membership: Memberships, name: str) -> int:
     """Serve until a signal (then 0) or the engine's driver dies (then 1, once the conductor was told)."""
     died = asyncio.Event()
     engine.on_driver_death = lambda exc: died.set()

@@ -1,43 +1,150 @@
-"""An engine's side of cluster membership: register with the conductor, then heartbeat with
-load and KV events. A conductor that forgot us (restart) answers known=false and we
-register again; an unreachable one is retried, never fatal."""
+"""An engine's side of cluster membership: register with each conductor listed (`--conductor A,B`),
+then heartbeat with load and KV events. Conductors side by side each keep the whole picture, so
+every one gets every KV event: the engine's events are drained once per beat and fanned out
+(`HeartbeatFeed`), each conductor's backlog kept until that conductor has acknowledged it. Each
+conductor has its own loop: one that is down or slow never delays the others' heartbeats.
+
+A conductor that forgot us (restart) answers known=false and we register again; right after a
+(re)registration it gets a snapshot of every block the engine caches, so a conductor started or
+restarted later knows the cache as well as one that saw every event. An unreachable conductor is
+retried, never fatal."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from mooncaked.rpc import CHANNEL_OPTIONS, RPC_TIMEOUT_S
+from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS, RPC_TIMEOUT_S
 from mooncaked.security import Security
+from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_EVENTS = 100_000
+MAX_DECODE_SAMPLES = 64  # per heartbeat: the cost model wants recent steps, not a long history
+
+Snapshot = Callable[[], Awaitable[list[common_pb2.KVEvent]]]
+
+
+@dataclass
+class Backlog:
+    """What one conductor has not yet acknowledged. ``live`` while it knows us: an unregistered
+    conductor collects nothing (it gets a snapshot when it registers us)."""
+
+    conductor: str
+    live: bool = False
+    events: list[common_pb2.KVEvent] = field(default_factory=list)
+    samples: list[conductor_pb2.DecodeSample] = field(default_factory=list)
+    dropping: bool = False  # the bound was hit; said once until the backlog drains
+    dropped: int = 0  # events dropped from the front, ever (so an acknowledgement counts only what is left)
+    dropped_at_send: int = 0
+
+
+class HeartbeatFeed:
+    """The engine's heartbeat shared by its conductors: each pull drains the engine's new KV events
+    and decode samples once and appends them to every live conductor's backlog."""
+
+    def __init__(self, produce: Callable[[], conductor_pb2.HeartbeatRequest], snapshot: Snapshot | None = None,
+                 max_pending_events: int = MAX_PENDING_EVENTS) -> None:
+        self._produce = produce
+        self._snapshot = snapshot
+        self.max_pending_events = max_pending_events
+        self.backlogs: list[Backlog] = []
+
+    def subscribe(self, conductor: str) -> Backlog:
+        backlog = Backlog(conductor)
+        self.backlogs.append(backlog)
+        return backlog
+
+    def _pull(self) -> conductor_pb2.HeartbeatRequest:
+        hb = self._produce()
+        for b in self.backlogs:
+            if not b.live:
+                continue
+            b.events.extend(hb.events)
+            b.samples.extend(hb.decode_samples)
+            del b.samples[:-MAX_DECODE_SAMPLES]
+            if len(b.events) > self.max_pending_events:
+                if not b.dropping:
+                    log.warning("dropping %d KV events unsent to conductor %s (it does not acknowledge them)",
+                                len(b.events) - self.max_pending_events, b.conductor)
+                b.dropping = True
+                b.dropped += len(b.events) - self.max_pending_events
+                del b.events[:-self.max_pending_events]
+        del hb.events[:]
+        del hb.decode_samples[:]
+        return hb
+
+    def beat(self, backlog: Backlog) -> conductor_pb2.HeartbeatRequest:
+        """This conductor's heartbeat: load and state as of now, its whole backlog of events (events not
+        yet acknowledged go out again, so its index misses nothing) and the decode samples since its last."""
+        hb = self._pull()
+        hb.events.extend(backlog.events)
+        hb.decode_samples.extend(backlog.samples)  # samples go once: a lost one only thins the cost model
+        backlog.samples.clear()
+        backlog.dropped_at_send = backlog.dropped
+        return hb
+
+    def acknowledged(self, backlog: Backlog, sent: conductor_pb2.HeartbeatRequest) -> None:
+        del backlog.events[:max(0, len(sent.events) - (backlog.dropped - backlog.dropped_at_send))]
+        if not backlog.events:
+            backlog.dropping = False
+
+    def forget(self, backlog: Backlog) -> None:
+        """The conductor no longer knows us: what it missed is in the snapshot at the next registration."""
+        backlog.live = False
+        backlog.events.clear()
+        backlog.samples.clear()
+        backlog.dropping = False
+
+    async def resync(self, backlog: Backlog) -> None:
+        """The conductor has just registered us (and dropped what it knew of our cache): its backlog
+        becomes a snapshot of the cache, then every event after the snapshot began. Events that happened
+        between the pull and the snapshot are in both, harmlessly: the index treats stored/removed as
+        set operations, so replaying them after the snapshot ends where the engine is."""
+        self._pull()  # what came before goes to the others; this conductor starts from here
+        self.forget(backlog)
+        backlog.live = True
+        if self._snapshot is None:
+            return
+        try:
+            snapshot = await self._snapshot()
+        except Exception:  # a broken snapshot costs the conductor cache knowledge, never membership
+            log.exception("could not snapshot the cache for conductor %s", backlog.conductor)
+            return
+        backlog.events[:0] = snapshot
 
 
 class Membership:
+    """Membership with one conductor: register, then heartbeat its backlog, forever."""
+
     def __init__(self, conductor: str, register: Callable[[], conductor_pb2.RegisterRequest],
-                 heartbeat: Callable[[], conductor_pb2.HeartbeatRequest], interval_s: float,
-                 security: Security | None = None) -> None:
+                 feed: HeartbeatFeed, interval_s: float, security: Security | None = None) -> None:
         self.conductor = conductor
         self._register = register
-        self._heartbeat = heartbeat
+        self.feed = feed
+        self.backlog = feed.subscribe(conductor)
         self.interval_s = interval_s
-        self.channel = (security or Security()).channel(conductor, options=CHANNEL_OPTIONS)
+        # a restarted conductor is found again within a second, not after gRPC's backoff of up to 2 minutes
+        self.channel = (security or Security()).channel(conductor, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.registered = False
-        self._pending_events: list[common_pb2.KVEvent] = []
         self._warned = False
+        self._failing = False  # heartbeats fail: said once, then quiet until one gets through
         self._refused = ""  # the conductor's last refusal, logged once until it changes
 
     async def run(self) -> None:
         while True:
             try:
                 await self._beat()
+                if self._failing:
+                    log.info("heartbeats reach conductor %s again", self.conductor)
+                self._failing = False
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS):
                     # a wrong secret, or our name still held by a live instance elsewhere (a restart
@@ -47,7 +154,9 @@ class Membership:
                     log.log(level, "conductor %s refused us (%s): %s; retrying", self.conductor, e.code().name,
                             e.details())
                 elif self.registered:
-                    log.warning("heartbeat to %s failed: %s", self.conductor, e.code().name)
+                    level = logging.DEBUG if self._failing else logging.WARNING
+                    self._failing = True
+                    log.log(level, "heartbeat to %s failed: %s; retrying", self.conductor, e.code().name)
                 elif not self._warned:  # once: a conductor that starts after us, or restarts, is normal
                     self._warned = True
                     log.warning("conductor %s (--conductor) is not reachable yet (%s); retrying until it is",
@@ -62,19 +171,14 @@ class Membership:
             self.interval_s = reply.heartbeat_interval_s or self.interval_s
             self.registered = True
             log.info("registered with conductor %s", self.conductor)
-        hb = self._heartbeat()
-        # events not yet acknowledged go out again, so the conductor's index misses nothing
-        self._pending_events.extend(hb.events)
-        if len(self._pending_events) > MAX_PENDING_EVENTS:
-            log.warning("dropping %d unsent KV events", len(self._pending_events) - MAX_PENDING_EVENTS)
-            del self._pending_events[:-MAX_PENDING_EVENTS]
-        del hb.events[:]
-        hb.events.extend(self._pending_events)
+            await self.feed.resync(self.backlog)
+        hb = self.feed.beat(self.backlog)
         reply = await self.stub.Heartbeat(hb, timeout=RPC_TIMEOUT_S)
-        self._pending_events.clear()
+        self.feed.acknowledged(self.backlog, hb)
         if not reply.known:
             log.warning("conductor %s does not know us; registering again", self.conductor)
             self.registered = False
+            self.feed.forget(self.backlog)
 
     async def deregister(self, name: str) -> None:
         try:
@@ -84,3 +188,37 @@ class Membership:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class Memberships:
+    """An engine's membership with every conductor listed, each on its own loop (`start`)."""
+
+    def __init__(self, conductors: Sequence[str], register: Callable[[], conductor_pb2.RegisterRequest],
+                 heartbeat: Callable[[], conductor_pb2.HeartbeatRequest], interval_s: float,
+                 security: Security | None = None, snapshot: Snapshot | None = None) -> None:
+        if not conductors:
+            raise ValueError("at least one conductor is needed")
+        self.feed = HeartbeatFeed(heartbeat, snapshot)
+        self.members = [Membership(c, register, self.feed, interval_s, security) for c in conductors]
+
+    @property
+    def interval_s(self) -> float:
+        """The longest heartbeat interval any conductor asked for."""
+        return max(m.interval_s for m in self.members)
+
+    def start(self) -> list[asyncio.Task]:
+        return [spawn(m.run(), f"membership-{m.conductor}") for m in self.members]
+
+    async def deregister(self, name: str, timeout_s: float) -> None:
+        """Leave every conductor at once; one that does not answer in ``timeout_s`` delays no other."""
+
+        async def leave(m: Membership) -> None:
+            try:
+                await asyncio.wait_for(m.deregister(name), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("%s: conductor %s did not answer Deregister in %.0fs", name, m.conductor, timeout_s)
+
+        await asyncio.gather(*(leave(m) for m in self.members))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(m.close() for m in self.members))

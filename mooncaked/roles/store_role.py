@@ -1,15 +1,24 @@
-"""`mooncaked --role store`: the Mooncake Store master (metadata only, never the bytes)."""
+"""`mooncaked --role store`: the Mooncake Store master (metadata only, never the bytes).
+
+With `--etcd HOST:PORT[,...]` several masters run side by side: each campaigns for the
+leadership through an etcd lease (store/leadership.py); the leader serves, the others stand
+by and answer UNAVAILABLE naming it, and one of them takes over when the leader's lease
+lapses. Clients follow with `--store etcd://...` (store/master_link.py).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from mooncaked.config import HostPort, StoreConfig, StorePolicyConfig
 from mooncaked.rpc import sd_notify
 from mooncaked.security import Security
 from mooncaked.startup import listening
+from mooncaked.store import metrics
 from mooncaked.store.records import Policy
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.service import HOST_ID, MasterRunner
+from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -24,20 +33,56 @@ async def run_store_role(cfg: StoreConfig) -> int:
     fast_port = None if cfg.store_fast_path_port < 0 else cfg.store_fast_path_port
     security = Security.from_config(cfg)
     runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port, security=security)
+    if cfg.etcd:
+        runner.service.gate.stand_by()  # nothing is served before the first campaign says who leads
     # gRPC's bind names --listen itself; an OSError here is the fast path's port (the process then exits)
     with listening("--store-fast-path-port", HostPort(cfg.listen.host, cfg.store_fast_path_port)):
         port = await runner.start()
     runner.server.install_signal_handlers()
     address = f"{cfg.advertise_address.host}:{port}"
+    name = cfg.instance_name(port)
+    runner.service.name = name
     fast = runner.service.fast_path_port
-    print(f"mooncaked store {cfg.instance_name(port)}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
-          f"fast path {f'on port {fast}' if fast else 'off'}); security: {security.mode}", flush=True)
+    leadership = campaign = None
+    if cfg.etcd:
+        leadership, campaign = start_campaign(runner, [str(e) for e in cfg.etcd], security, name, address,
+                                              cfg.etcd_prefix, cfg.etcd_lease_ttl_s)
+    else:
+        metrics.IS_LEADER.set(1)  # alone, it leads
+    ha = f"; HA through etcd {','.join(str(e) for e in cfg.etcd)} (standing by until elected)" if cfg.etcd else ""
+    print(f"mooncaked store {name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
+          f"fast path {f'on port {fast}' if fast else 'off'}){ha}; security: {security.mode}", flush=True)
     sd_notify("READY=1")
     await runner.server.stopping.wait()
 
     # nothing in flight is worth waiting for: metadata is rebuilt by the clients' remounts
     sd_notify("STOPPING=1")
     log.info("%s stopping", cfg.name)
+    if leadership is not None and campaign is not None:
+        campaign.cancel()
+        await asyncio.gather(campaign, return_exceptions=True)
+        await leadership.resign()  # a standby takes over now, not after the lease's TTL
+        await leadership.etcd.close()
     await runner.stop(min(cfg.drain_timeout_s, 2.0))
     log.info("%s stopped", cfg.name)
     return 0
+
+
+def start_campaign(runner: MasterRunner, etcd_endpoints: list[str], security: Security, name: str, address: str,
+                   prefix: str, ttl_s: int):
+    """Campaign for `runner`'s master (a started one; its gate standing by): (Leadership, its task).
+    The etcd modules are imported here: a single master starts without them."""
+    from mooncaked.store.etcd_gateway import EtcdGateway
+    from mooncaked.store.leadership import Leadership, MasterInfo
+
+    service = runner.service
+
+    def info() -> MasterInfo:
+        return MasterInfo(name=name, address=address, epoch=service.master.epoch,
+                          fast_path_port=service.fast_path_port, fast_path_unix=service.fast_path_unix,
+                          host_id=HOST_ID)
+
+    service.name = name
+    etcd = EtcdGateway(etcd_endpoints, security)
+    leadership = Leadership(etcd, service.gate, info, service.forget, prefix=prefix, ttl_s=ttl_s)
+    return leadership, spawn(leadership.run(), "store-leadership")

@@ -43,6 +43,11 @@ class ExtentAllocator:
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
+    def fits(self, size: int) -> bool:
+        """Whether `alloc(size)` would succeed (free extents are whole multiples of `align`, so the
+        largest one holds `size` exactly when it holds `size` rounded up)."""
+        return bool(self._by_size) and self._by_size[-1][0] >= size
+
     def alloc(self, size: int) -> int | None:
         """Offset of a new extent of `size` bytes, or None when no free extent is big enough."""
         assert size > 0, size
@@ -122,6 +127,10 @@ class ByteBudget:
 
     def largest_free(self) -> int:
         return self.free_bytes
+
+    def fits(self, size: int) -> bool:
+        """Whether `alloc(size)` would succeed."""
+        return self.used + size <= self.capacity
 
     def alloc(self, size: int) -> int | None:
         assert size > 0, size

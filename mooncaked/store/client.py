@@ -27,13 +27,15 @@ from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
+from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import RequestTooBig
 from mooncaked.store.hints import Hint, Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
-from mooncaked.store.lmdb_tier import LmdbTier
+from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
+from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
 from mooncaked.store.records import checksum
 from mooncaked.store.tier_worker import TierWorker
@@ -103,7 +105,8 @@ class StoreClient:
         self._own_transfer = transfer is None
         self.transfer = transfer or TransferEngine(backend=config.transfer_backend, host="127.0.0.1", port=0,
                                                    token=self.security.token)
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: grpc.aio.Channel | MasterLink | None = None
+        self._link: MasterLink | None = None  # where the master (the leader, under HA) is
         self.stub: store_pb2_grpc.StoreMasterStub | None = None
         self.dram: DramSegment | None = None
         self.staging: Staging | None = None
@@ -119,6 +122,7 @@ class StoreClient:
         self._hints = Hints(config.location_hints)
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
+        self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
 
     @property
     def dram_segment(self) -> str:
@@ -140,14 +144,25 @@ class StoreClient:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
         if self._channel is None:
-            self._channel = self.security.channel(cfg.master, options=CHANNEL_OPTIONS + RECONNECT_OPTIONS)
-            self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
+            # one master: a plain stub on one channel; masters under HA: the link follows the leader
+            self._link = self._channel = MasterLink(cfg.master, self.security, CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+            self.stub = self._link.stub
+
+            def leader_moved(_address: str) -> None:  # remount there now, and reopen the fast path there
+                self._places.forget()  # places the old leader reserved are free to the new one: never write them
+                if self.mounts is not None:
+                    self.mounts.request_remount()
+                self._fast_retry_at, self._fast_backoff = 0.0, FAST_RETRY_S
+                if self._fast is not None:
+                    self._fast.fail("the store master leader moved")
+
+            self._link.on_change(leader_moved)
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
-                             self._lmdb_thread)
+                             self._lmdb_thread, self.journal)
         await self.mounts.mount_all()
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
-                                     self.mounts.request_remount, self._lmdb_thread)
+                                     self.mounts.request_remount, self._lmdb_thread, self.journal)
             self._tasks = [spawn(self.mounts.keep_alive(cfg.ping_interval_s), f"store-ping-{cfg.client_id}"),
                            spawn(self.worker.receive(), f"store-tasks-{cfg.client_id}"),
                            spawn(self.worker.work(), f"store-tier-{cfg.client_id}")]
@@ -234,22 +249,25 @@ class StoreClient:
             return None
         async with self._fast_lock:
             try:
-                reply = await self.stub.Describe(store_pb2.DescribeRequest(), timeout=self.config.rpc_timeout_s)
+                address, reply = await self._link.describe(self.config.rpc_timeout_s)  # the leader's, under HA
                 if not reply.fast_path_port:
                     self._fast_retry_at = loop.time() + FAST_RETRY_MAX_S  # this master has none (maybe the next)
                     return None
-                host = self.config.master.rsplit(":", 1)[0].strip("[]")
+                host = host_of(address)
+                link = self._link if self._link.following else None  # calls it no longer serves go on by gRPC
+                # a master lost (killed, restarted, deposed): its reserved places are another master's to give
+                lost = self._places.forget
                 timeout = min(self.config.rpc_timeout_s, FAST_CONNECT_TIMEOUT_S)
                 self._fast = None
                 if reply.fast_path_unix and reply.host_id == host_id():  # same host: the cheaper socket
                     try:
                         self._fast = await FastChannel.connect(host, 0, timeout, unix=reply.fast_path_unix,
-                                                               token=self.security.token)
+                                                               token=self.security.token, link=link, on_lost=lost)
                     except StoreUnavailable as e:
                         logger.info("store client %s: %s; using TCP", self.config.client_id, e)
                 if self._fast is None:
                     self._fast = await FastChannel.connect(host, reply.fast_path_port, timeout,
-                                                           token=self.security.token)
+                                                           token=self.security.token, link=link, on_lost=lost)
                 self._places.follow(reply.master_epoch)
                 self._fast_backoff = FAST_RETRY_S
                 return self._fast
@@ -426,7 +444,7 @@ class StoreClient:
             req = store_pb2.BatchPutStartRequest(items=[
                 store_pb2.PutStartRequest(key=k, size=n, replicas=self.config.replicas, preferred_segment=pref,
                                           soft_pin=soft_pin)
-                for (k, _), n in zip(items, sizes)])
+                for (k, _), n in zip(items, sizes)], client_id=self.config.client_id)
             placing = await self._send("BatchPutStart", self.stub.BatchPutStart, req)
             # while the master places them: gather the bytes and hash them (the checksums go with PutEnd)
             sums = []
@@ -436,30 +454,70 @@ class StoreClient:
             reply = await placing
             ok = [it.exists for it in reply.items]
             writing = [i for i, it in enumerate(reply.items) if it.replicas]
-            ops = [TransferOp("write", STAGING_REGION, offsets[i], rep.endpoint.address, rep.endpoint.region,
-                              rep.offset, sizes[i]) for i in writing for rep in reply.items[i].replicas]
-            failed = False
+            bad = await self._write_placed(reply, writing, items, offsets, sizes, sums)
+        good = [i for i in writing if i not in bad]
+        if writing:
+            end = store_pb2.BatchPutEndRequest(keys=[items[i][0] for i in good], checksums=[sums[i] for i in good],
+                                               revoke_keys=[items[i][0] for i in writing if i in bad])
+            done = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
+            if done.committed < len(good):  # the master that placed them is gone (restarted, or a new leader)
+                logger.warning("store put of %d objects: the master committed %d (it did not place them: a "
+                               "restart or a new leader); reporting them not stored", len(good), done.committed)
+                good = []
+            for i in good:
+                ok[i] = True
+                dram = next((r for r in reply.items[i].replicas if r.medium != "lmdb"), None)
+                if dram is not None:
+                    self._hints.note(items[i][0], dram, sizes[i])
+        for i, good_one in enumerate(ok):
+            metrics.client_op("put", "ok" if good_one else "no_room" if i not in bad else "failed").inc()
+            if good_one and i in writing:
+                metrics.client_bytes("put").inc(sizes[i])
+        return ok
+
+    async def _write_placed(self, reply: store_pb2.BatchPutStartReply, writing: list[int],
+                            items: Sequence[tuple[str, Data]], offsets: list[int], sizes: list[int],
+                            sums: list[int]) -> set[int]:
+        """Write the staged objects where the master placed them: DRAM copies through transfer/, a place
+        on our own LMDB tier (no DRAM had room) into it, both at once. Returns the items that failed."""
+        own_lmdb = f"{self.config.client_id}/lmdb"
+        ops: list[TransferOp] = []
+        remote: list[int] = []  # items with a DRAM copy to write
+        local: list[int] = []  # items placed on our LMDB tier
+        bad: set[int] = set()
+        for i in writing:
+            for rep in reply.items[i].replicas:
+                if rep.medium != "lmdb":
+                    ops.append(TransferOp("write", STAGING_REGION, offsets[i], rep.endpoint.address,
+                                          rep.endpoint.region, rep.offset, sizes[i]))
+                    if not remote or remote[-1] != i:
+                        remote.append(i)
+                elif rep.segment == own_lmdb and self.lmdb is not None:
+                    local.append(i)
+                else:  # only the writer can store on an LMDB tier
+                    logger.warning("store put of %s: placed on LMDB tier %s, which is not ours; revoking it",
+                                   items[i][0], rep.segment)
+                    bad.add(i)
+        storing = None
+        if local:
+            assert self.lmdb is not None and self.staging is not None
+            writes = [LmdbWrite(items[i][0], self.staging.slice(offsets[i], sizes[i]), sums[i]) for i in local]
+            storing = asyncio.get_running_loop().run_in_executor(self._lmdb_thread, self.lmdb.write_many, writes)
+        try:
             if ops:
                 try:
                     await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
                 except TransferError as e:
-                    failed = True
+                    bad.update(remote)
                     logger.warning("store put of %d objects failed on the data plane (%s); revoking them",
-                                   len(writing), e)
-        keys = [items[i][0] for i in writing]
-        if writing:
-            end = (store_pb2.BatchPutEndRequest(revoke_keys=keys) if failed else
-                   store_pb2.BatchPutEndRequest(keys=keys, checksums=[sums[i] for i in writing]))
-            await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
-            for i in writing:
-                ok[i] = not failed
-                if not failed:
-                    self._hints.note(items[i][0], reply.items[i].replicas[0], sizes[i])
-        for i, good in enumerate(ok):
-            metrics.client_op("put", "ok" if good else "no_room").inc()
-            if good and i in writing:
-                metrics.client_bytes("put").inc(sizes[i])
-        return ok
+                                   len(remote), e)
+        finally:
+            if storing is not None:  # the staged bytes stay leased until LMDB has them
+                for i, err in zip(local, await storing):
+                    if err:
+                        logger.warning("store put of %s on our LMDB tier failed (%s); revoking it", items[i][0], err)
+                        bad.add(i)
+        return bad
 
     def _chunks(self, sizes: Sequence[int]) -> list[list[int]]:
         """Indices grouped so each group fits the staging area."""
@@ -492,6 +550,19 @@ class StoreClient:
 
         await self._fetch(keys, sink, out)
         return out
+
+    def _release_soon(self, lease: int, keys: list[str]) -> None:
+        """Give a lease back without waiting for the answer (it only frees room sooner)."""
+        request = store_pb2.BatchGetReplicasRequest(client_id=self.config.client_id, release_lease=lease,
+                                                    release_keys=keys)
+
+        async def send() -> None:
+            try:
+                await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, request)
+            except Exception as e:  # noqa: BLE001 - best effort (closing, master away): the lease lapses by itself
+                logger.debug("store client %s: could not give a read lease back: %s", self.config.client_id, e)
+
+        spawn(send(), f"store-release-{self.config.client_id}")
 
     @staticmethod
     def _intact(obj: store_pb2.ObjectReplicas, data: object) -> bool:
@@ -581,9 +652,12 @@ class StoreClient:
             return got
         index = {k: i for i, k in enumerate(keys)}
         step = max(1, self.config.get_batch_keys)
-        for start in range(0, len(keys), step):
-            req = store_pb2.BatchGetReplicasRequest(keys=list(keys[start : start + step]),
-                                                    client_id=self.config.client_id)
+        todo = list(keys)
+        release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
+        while todo:
+            piece, todo = todo[:step], todo[step:]
+            req = store_pb2.BatchGetReplicasRequest(keys=piece, client_id=self.config.client_id,
+                                                    release_lease=release[0], release_keys=release[1])
             hinted = self._hints.pick(req.keys) if out is not None else []
             if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
                 lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
@@ -602,6 +676,14 @@ class StoreClient:
                     await self.remove(corrupt)
             for chunk in self._chunks([o.size for o in objs]):
                 await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
+            # DRAM is short: give this piece's lease back with the next request, so its copies make room
+            release = (reply.lease_id, [o.key for o in reply.objects]) if reply.lease_id else (0, [])
+            if reply.later_keys:  # what did not fit its owner's DRAM yet comes next, in chain order
+                if not reply.objects:
+                    break  # the master found no room at all before the deadline
+                todo = list(reply.later_keys) + todo
+        if release[0]:
+            self._release_soon(*release)
         for ok in got:
             metrics.client_op("get", "hit" if ok else "miss").inc()
         return got

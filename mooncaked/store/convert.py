@@ -14,6 +14,7 @@ TASK_KINDS = {
     "demote": store_pb2.TierTask.KIND_DEMOTE,
     "promote": store_pb2.TierTask.KIND_PROMOTE,
     "delete": store_pb2.TierTask.KIND_DELETE,
+    "persist": store_pb2.TierTask.KIND_PERSIST,
 }
 TASK_KIND_NAMES = {v: k for k, v in TASK_KINDS.items()}
 
@@ -45,6 +46,12 @@ def record_to_proto(r: ObjectRecord) -> store_pb2.ObjectRecord:
 
 def record_from_proto(p: store_pb2.ObjectRecord) -> ObjectRecord:
     return ObjectRecord(p.key, p.offset, p.size, p.checksum)
+
+
+def journal_to_proto(entries: list[tuple[str, int, int, int]]) -> store_pb2.TierTask:
+    """A batch of (key, offset, size, checksum) journal entries as one KIND_JOURNAL message."""
+    return store_pb2.TierTask(kind=store_pb2.TierTask.KIND_JOURNAL, journal=[
+        store_pb2.JournalEntry(key=k, offset=o, size=n, checksum=c) for k, o, n, c in entries])
 
 
 def placed_to_proto(p: Placed) -> store_pb2.Replica:

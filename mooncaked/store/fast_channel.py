@@ -4,6 +4,12 @@ A call that times out gives up its id (a late reply is dropped); a lost connecti
 every call waiting on it with StoreUnavailable, and the owner opens a new channel. With the
 cluster secret the connection proves it (mooncaked.transfer.handshake) before its greeting;
 a channel idle for a while closes itself before the master's idle timeout could cut it.
+
+Following a leader (store masters under HA, master_link.py), a channel is given the link: a
+call whose master is gone (the connection broke) or answers that it is not the leader (or not
+sure of its lease) closes the channel and goes on by gRPC through the link, which finds the
+leader and tries again within the call's deadline; the owner's next call opens a fast path
+to the new leader. A call that gets no answer at all makes the link ask who leads.
 """
 
 from __future__ import annotations
@@ -12,12 +18,13 @@ import asyncio
 import itertools
 import logging
 import socket
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
+import grpc
 from google.protobuf.message import Message
 
-from mooncaked.store.errors import StoreUnavailable, from_status
+from mooncaked.store.errors import StoreUnavailable, from_rpc_error, from_status
 from mooncaked.store.fast_wire import (
     HELLO,
     MAX_REQUEST_BYTES,
@@ -33,6 +40,16 @@ from mooncaked.transfer.conn_guard import CLIENT_IDLE_CLOSE_S
 from mooncaked.transfer.handshake import AUTH_MAGIC, HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 
 logger = logging.getLogger(__name__)
+BOUND_TO_ONE_MASTER = frozenset({"PutEnd", "BatchPutEnd", "PutRevoke", "TaskDone"})  # as master_link's
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+class Redirect(Protocol):
+    """Where a call goes when this channel's master no longer serves it (a `MasterLink`)."""
+
+    async def call(self, name: str, request: Any, timeout: float | None = None, raw: bool = False) -> Any: ...
+
+    def suspect(self) -> None: ...
 
 
 class _Protocol(asyncio.Protocol):
@@ -78,13 +95,21 @@ class FastChannel:
         self._idle_mark = -1
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_s = CLIENT_IDLE_CLOSE_S
+        self._link: Redirect | None = None  # following a leader: where failed calls go on
+        self._by_owner = False  # closed by its owner: nothing goes on elsewhere
+        self._on_lost: Callable[[], None] | None = None
 
     @classmethod
     async def connect(cls, host: str, port: int, timeout_s: float, unix: str = "",
-                      token: bytes | None = None, idle_s: float = CLIENT_IDLE_CLOSE_S) -> FastChannel:
+                      token: bytes | None = None, idle_s: float = CLIENT_IDLE_CLOSE_S,
+                      link: Redirect | None = None, on_lost: Callable[[], None] | None = None) -> FastChannel:
         """To the master's fast path at host:port, or at the Unix socket `unix` ("@name": abstract);
         with `token` (the cluster secret) the master and we prove it to each other first. Idle for
-        `idle_s` (within twice that), the channel closes itself; the owner opens another."""
+        `idle_s` (within twice that), the channel closes itself; the owner opens another. With
+        `link` (a leader followed), calls the master no longer serves go on through it.
+        `on_lost()` runs when the master is lost to us (the connection broke, or it no longer leads),
+        not when the owner or the idle timer closes the channel: what the owner holds from that
+        master (places reserved in segments) must not be used once another master may allocate."""
         channel = cls(f"unix:{unix}" if unix else f"{host}:{port}")
         loop = asyncio.get_running_loop()
         try:
@@ -114,6 +139,8 @@ class FastChannel:
             raise StoreUnavailable(f"cannot reach the store master's fast path at {channel.address}: {e}") from None
         channel._transport = transport  # type: ignore[assignment]
         channel._loop = loop
+        channel._link = link
+        channel._on_lost = on_lost
         transport.write(HELLO)
         channel._idle_s = idle_s
         channel._idle_timer = loop.call_later(idle_s, channel._check_idle)
@@ -126,6 +153,7 @@ class FastChannel:
         if self.closed:
             return
         if not self._pending and self._calls == self._idle_mark:
+            self._on_lost = None  # nothing was lost
             self.fail(f"closed after {self._idle_s:g}s or more without a call")
             return
         self._idle_mark = self._calls
@@ -149,11 +177,11 @@ class FastChannel:
 
     def send_raw(self, method: str, body: bytes, timeout_s: float) -> Coroutine[Any, Any, bytes]:
         call_id, fut, timer = self._write(method, body, timeout_s)
-        return self._reply(call_id, fut, timer, method)
+        return self._reply(call_id, fut, timer, method, body)
 
     async def _exchange(self, method: str, body: bytes, timeout_s: float) -> bytes:
         call_id, fut, timer = self._write(method, body, timeout_s)
-        return await self._reply(call_id, fut, timer, method)
+        return await self._reply(call_id, fut, timer, method, body)
 
     def _write(self, method: str, body: bytes,
                timeout_s: float) -> tuple[int, asyncio.Future[tuple[int, bytes]], asyncio.TimerHandle]:
@@ -173,15 +201,36 @@ class FastChannel:
         return call_id, fut, timer
 
     async def _reply(self, call_id: int, fut: asyncio.Future[tuple[int, bytes]], timer: asyncio.TimerHandle,
-                     method: str) -> bytes:
+                     method: str, request: bytes = b"") -> bytes:
         try:
             status, body = await fut
+        except StoreUnavailable:
+            if self._link is None or self._by_owner or not self.closed:  # not a lost connection
+                raise
+            return await self._redirect(method, request, timer.when())  # its master went
         finally:
             timer.cancel()
             self._pending.pop(call_id, None)
         if status:
+            if status == _UNAVAILABLE and self._link is not None:  # a standby, or a leader unsure of its lease
+                self.fail(f"the master answered {method} UNAVAILABLE ({body[:160].decode('utf-8', 'replace')})")
+                return await self._redirect(method, request, timer.when())
             raise from_status(status, body.decode("utf-8", "replace"), method)
         return body
+
+    async def _redirect(self, method: str, request: bytes, deadline: float) -> bytes:
+        """The call, by gRPC through the link (which finds the leader), within what is left of its time."""
+        assert self._link is not None and self._loop is not None
+        if method in BOUND_TO_ONE_MASTER:  # it names what this master made: meaningless to another
+            raise StoreUnavailable(f"store master {method}: the master lost before it answered (a new leader "
+                                   "knows nothing of what it refers to; start over)")
+        left = deadline - self._loop.time()
+        if left <= 0:
+            raise StoreUnavailable(f"store master {method}: no time left to find the leader")
+        try:
+            return await self._link.call(method, request, left, raw=True)
+        except grpc.aio.AioRpcError as e:
+            raise from_rpc_error(e, method) from None
 
     @staticmethod
     async def _decoded(reply_type: type[Message], raw: Coroutine[Any, Any, bytes]) -> Message:
@@ -192,6 +241,8 @@ class FastChannel:
         if fut is not None and not fut.done():
             fut.set_exception(StoreUnavailable(f"store master {method}: no answer within {timeout_s}s "
                                                f"on the fast path {self.address}"))
+            if self._link is not None:  # a master that says nothing may be frozen: who leads now?
+                self._link.suspect()
 
     def resolve(self, call_id: int, status: int, body: bytes) -> None:
         fut = self._pending.pop(call_id, None)
@@ -204,6 +255,8 @@ class FastChannel:
             return
         self.closed = True
         logger.info("store fast path %s: %s", self.address, why)
+        if self._on_lost is not None and not self._by_owner:
+            self._on_lost()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
@@ -216,4 +269,5 @@ class FastChannel:
         self._pending.clear()
 
     def close(self) -> None:
+        self._by_owner = True
         self.fail("closed by the client")

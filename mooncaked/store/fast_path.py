@@ -30,12 +30,14 @@ import grpc
 from google.protobuf.message import Message
 
 from mooncaked.store.errors import StoreError
+from mooncaked.store.fencing import Gate
 from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, Frame, FrameError, pack_reply, read_frames
 from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
 from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake, check_token
 
 logger = logging.getLogger(__name__)
 
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 FAST_PATH_LIMITS = ConnLimits(max_connections=256, max_unproven=64, idle_timeout_s=300.0, partial_timeout_s=10.0)
 """One connection per store client is the usual; a frame is at most ~1 MB (fast_wire), so ten
 seconds is plenty to finish one, and 256 half frames hold at most ~290 MB."""
@@ -217,6 +219,7 @@ class FastPathServer:
         self.port = 0
         self.unix_name = ""  # "@name" for the abstract socket "\0name"; "" when there is none
         self._routes: dict[str, tuple[Any, Any, Any]] = {}  # method name -> (request type, handler, .now)
+        self._gate = getattr(service, "gate", None) or Gate()  # who may be served (one object for the process)
 
     async def start(self, host: str, port: int = 0, unix: bool = True) -> int:
         loop = asyncio.get_running_loop()
@@ -248,6 +251,9 @@ class FastPathServer:
             handler = getattr(self.service, name)
             route = self._routes[name] = (method.request, handler, getattr(handler, "now", None))
         request_type, handler, now = route
+        why = self._gate.refusal(name)  # a standby, or a fenced leader's write (fencing.py)
+        if why is not None:
+            return _UNAVAILABLE, why.encode()
         try:
             request = request_type.FromString(body)
         except Exception as e:  # noqa: BLE001 - any decode failure is the caller's

@@ -1,89 +1,82 @@
 """The store master's state machine: segments, objects, leases, placement and tier moves.
 
 Metadata only, no gRPC, no bytes, no clock of its own (it is handed one), so every rule
-here is tested by calling methods. `service.py` puts it on the wire; `placement.py` picks
-where copies go, `eviction.py` what leaves a full segment. Tier moves (demote DRAM -> LMDB,
-promote LMDB -> DRAM, delete from LMDB; `tiering.py`) are `Task`s handed to the segment's
-owner through `hooks.send_task`; the owner reports back with `task_done`.
+here is tested by calling methods. `service.py` puts it on the wire. Its parts, one job each:
 
-Pool events (`hooks.pool_event`) tell prefix indexes what is readable where: "stored" with
-the object's best medium when it is committed or adopted at a remount, and again whenever
-that medium changes (a demotion left it on LMDB only, a promotion brought it back to DRAM);
-"removed" when it stops being readable, by whatever path (`_forget` is the only way out).
-`_announce` after any change to a committed object's copies keeps those events exact.
+- `catalog.py` holds the metadata (clients, segments, objects with their copies and LRU
+  order, tier tasks) and is the only code that changes it, through a few public operations;
+  the pool events and the DRAM journal that follow a change are sent from there.
+- `placement.py` (where a new object's copies go), `eviction.py` (what leaves a full
+  segment) and `tiering.py` (tier moves: demote DRAM -> LMDB, promote LMDB -> DRAM, persist
+  a DRAM object to its owner's LMDB, delete from LMDB) are deciders: they read the catalog
+  and yield what to do (`decisions.py`).
+- This class checks each request, asks the deciders, applies their decisions to the catalog
+  (`_apply`) and answers. Tier moves are `Task`s handed to the segment's owner through
+  `hooks.send_task`; the owner reports back with `task_done`.
+
+The tiers keep what they promise: a put lands while any tier has room (DRAM, or the writer's
+own LMDB tier when no DRAM has room now); an object committed to DRAM is also copied to its
+owner's LMDB tier in the background (`Policy.persist`), so it survives the process and leaves
+DRAM at no cost; a read of LMDB-only objects gets what fits its owners' DRAM now and is told
+which keys to ask again once it gives its lease back (`release`). Each DRAM segment's owner is
+told what was committed to (or left) its DRAM (`hooks.journal`), so a restarted master gets
+DRAM objects re-reported at the remount as it gets LMDB ones.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 from mooncaked.store import eviction, metrics, placement, tiering
 from mooncaked.store.allocator import ByteBudget, ExtentAllocator
+from mooncaked.store.catalog import Catalog, MasterHooks, NoHooks
+from mooncaked.store.decisions import (
+    Complete, Decision, Decisions, DeleteValue, Drop, DropPlace, Evict, Place, TierMove,
+)
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
 from mooncaked.store.records import (
-    MAX_KEY_BYTES, MEDIA, Client, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
-    PoolEventKind, PromotionPending, PutPlan, Replica, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
+    MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
+    PromotionPending, PutPlan, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
 )
+
+__all__ = ["MasterHooks", "NoHooks", "StoreMaster", "MAX_RESERVE"]
 
 logger = logging.getLogger(__name__)
 
 MAX_RESERVE = 1024  # places one ReservePlaces call may take
 
 
-class MasterHooks(Protocol):
-    """What the master tells the world: tasks to send, promotions settled, clients gone, pool events."""
-
-    def send_task(self, task: Task) -> None: ...
-    def promotion_settled(self, task_id: int, ok: bool) -> None: ...
-    def client_dropped(self, client_id: str) -> None: ...
-    def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
-        """`keys` became readable on `medium` ("dram" | "lmdb"), or ("removed", medium "") stopped being
-        readable. Called on the hot path: an implementation only records it."""
-
-
-class NoHooks:
-    """For a master nobody listens to (unit tests): tasks wait in `master.tasks`."""
-
-    def send_task(self, task: Task) -> None:
-        pass
-
-    def promotion_settled(self, task_id: int, ok: bool) -> None:
-        pass
-
-    def client_dropped(self, client_id: str) -> None:
-        pass
-
-    def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
-        pass
-
-
 class StoreMaster:
+    """The master's requests (what service.py and fast_path.py call): checked, decided, applied."""
+
     def __init__(self, policy: Policy = Policy(), hooks: MasterHooks | None = None,
                  clock: Callable[[], float] = time.monotonic, epoch: int | None = None) -> None:
         self.policy = policy
         self.hooks: MasterHooks = hooks or NoHooks()
         self.clock = clock
         self.epoch = epoch or random.SystemRandom().randrange(1, 1 << 63)
-        self.segments: dict[str, Segment] = {}
-        self.objects: dict[str, ObjectMeta] = {}
-        self.clients: dict[str, Client] = {}
-        self.tasks: dict[int, Task] = {}
-        self._pending: dict[str, None] = {}  # uncommitted keys, oldest PutStart first
-        self._deferred: list[tuple[float, int, Segment, int, int]] = []  # (due, seq, seg, offset, size)
-        self._seq = itertools.count(1)
-        self._reservation_ids = itertools.count(1)
+        self.catalog = Catalog(policy, self.hooks, clock)
+        # the catalog's own dicts, read by the service, the metrics and the tests (only the catalog writes them)
+        self.segments = self.catalog.segments
+        self.objects = self.catalog.objects
+        self.clients = self.catalog.clients
+        self.tasks = self.catalog.tasks
+        # ids (places, read leases) unlike any other master's: one that a master now gone (restarted,
+        # or deposed under HA) handed out must be unknown here, never taken for one of ours
+        self._reservation_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
+        self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
 
     # -- segments and clients ----------------------------------------------------------------
     def mount(self, client_id: str, spec: SegmentSpec,
               records: Sequence[ObjectRecord] = ()) -> tuple[int, list[str]]:
-        """Lend a segment (replacing an earlier mount of that name); returns (accepted, rejected keys)."""
+        """Lend a segment (replacing an earlier mount of that name) with the objects it holds; returns
+        (accepted, rejected keys). `records`: anything with an ObjectRecord's fields (the wire's
+        messages are taken as they are)."""
         if not client_id:
             raise InvalidArgument("client_id is empty: every client names itself")
         if not spec.name:
@@ -94,45 +87,34 @@ class StoreMaster:
             raise InvalidArgument(f"segment {spec.name!r}: capacity must be positive, got {spec.capacity}")
         if spec.medium == "dram" and not (spec.endpoint.address and spec.endpoint.region):
             raise InvalidArgument(f"DRAM segment {spec.name!r} has no transfer endpoint (address and region)")
-        client = self._touch(client_id, create=True)
+        cat = self.catalog
+        cat.touch(client_id, create=True)
         old = self.segments.get(spec.name)
         if old is not None:
             logger.info("segment %s remounted by %s; dropping what the earlier mount held", spec.name, client_id)
             self._unmount(old)
         alloc = ExtentAllocator(spec.capacity) if spec.medium == "dram" else ByteBudget(spec.capacity)
         seg = Segment(spec.name, client_id, spec.medium, spec.capacity, spec.endpoint, alloc)
-        self.segments[seg.name] = seg
-        client.segments.add(seg.name)
+        cat.add_segment(seg)
         accepted, rejected = 0, []
+        known = len(self.objects)
+        fresh: list[str] = []  # objects new to the master: announced together
+        persist = seg.medium == "dram" and self.policy.persist and cat.tier_of(client_id, "lmdb") is not None
         for rec in records:
-            if self._adopt(seg, rec):
-                accepted += 1
-            else:
+            adopted = cat.adopt(seg, rec, fresh)
+            if adopted is None:
                 rejected.append(rec.key)
+                continue
+            accepted += 1
+            if persist:  # it may have been on its way to LMDB when the master went
+                self._run(tiering.persist(cat, adopted[0], adopted[1], seg))
+        metrics.OBJECTS.inc(len(self.objects) - known)
+        if fresh:
+            self.hooks.pool_event("stored", fresh, seg.medium)
         logger.info("mounted %s segment %s of %s: %d bytes, %d objects re-reported (%d rejected)",
                     seg.medium, seg.name, client_id, seg.capacity, accepted, len(rejected))
-        eviction.evict_if_needed(self, seg)
+        self._run(eviction.evict_if_needed(cat, seg))
         return accepted, rejected
-
-    def _adopt(self, seg: Segment, rec: ObjectRecord) -> bool:
-        """Take a re-reported object into the metadata; False when it conflicts or does not fit."""
-        if not rec.key or rec.size <= 0:
-            return False
-        obj = self.objects.get(rec.key)
-        if obj is not None and (not obj.committed or obj.size != rec.size or obj.checksum != rec.checksum
-                                or obj.replica_on(seg.name)):
-            return False
-        if not seg.alloc.take(rec.offset, rec.size):
-            return False
-        offset = rec.offset if seg.medium == "dram" else 0
-        if obj is None:
-            obj = ObjectMeta(rec.key, rec.size, rec.checksum, [], True, self.clock())
-            self.objects[rec.key] = obj
-            metrics.OBJECTS.inc()
-        obj.replicas.append(Replica(seg.name, offset, rec.size, complete=True))
-        seg.keys[rec.key] = None
-        self._announce(obj)
-        return True
 
     def unmount(self, client_id: str, name: str) -> int:
         seg = self._segment(name)
@@ -143,23 +125,8 @@ class StoreMaster:
     def _unmount(self, seg: Segment) -> int:
         """Forget a segment and every copy on it; returns how many objects went with it."""
         for task in [t for t in self.tasks.values() if seg.name in (t.src_segment, t.dst_segment)]:
-            tiering.settle(self, task, False, "segment unmounted")
-        del self.segments[seg.name]
-        client = self.clients.get(seg.owner)
-        if client is not None:
-            client.segments.discard(seg.name)
-        removed = 0
-        for key in list(seg.keys):
-            obj = self.objects.get(key)
-            rep = obj.replica_on(seg.name) if obj else None
-            if obj is None or rep is None:
-                continue
-            obj.replicas.remove(rep)
-            if not any(r.complete for r in obj.replicas) and obj.committed or not obj.replicas:
-                removed += obj.committed
-                self._forget(obj)
-            else:
-                self._announce(obj)  # its DRAM copy went with the segment: LMDB only now
+            self._settle(task, False, "segment unmounted")
+        removed = self.catalog.remove_segment(seg)
         logger.info("unmounted segment %s of %s: %d objects dropped", seg.name, seg.owner, removed)
         return removed
 
@@ -170,19 +137,16 @@ class StoreMaster:
             raise FailedPrecondition(f"segment {name!r} belongs to client {seg.owner!r}, not {client_id!r}")
         if seg.medium != "dram":
             raise InvalidArgument(f"segment {name!r} is {seg.medium}; only DRAM segments are evacuated")
-        return eviction.evacuate(self, seg)
+        decider = eviction.evacuate(self.catalog, seg)
+        try:
+            while True:
+                self._apply(next(decider))
+        except StopIteration as end:
+            return end.value
 
     def ping(self, client_id: str) -> bool:
         """A client's heartbeat; False means the master does not know it (remount)."""
-        return self._touch(client_id, create=False) is not None
-
-    def _touch(self, client_id: str, create: bool) -> Client | None:
-        client = self.clients.get(client_id)
-        if client is None and create:
-            client = self.clients[client_id] = Client(client_id, self.clock())
-        if client is not None:
-            client.last_seen = self.clock()
-        return client
+        return self.catalog.touch(client_id, create=False) is not None
 
     def _segment(self, name: str) -> Segment:
         seg = self.segments.get(name)
@@ -192,28 +156,33 @@ class StoreMaster:
         return seg
 
     # -- put -------------------------------------------------------------------------------------
-    def put_start_many(self, items: Sequence[tuple[str, int, int, int, str, bool]]) -> list[PutPlan | None]:
-        """PutStart for a batch; None where no room was found. Room for all of those is then made
-        at once (demotions), so a retry after they finish places the whole rest of the batch."""
+    def put_start_many(self, items: Sequence[tuple[str, int, int, int, str, bool]],
+                       writer: str = "") -> list[PutPlan | None]:
+        """PutStart for a batch; None where no room was found. Room for all of those, and for those
+        that went to the writer's LMDB tier, is then made at once (demotions), so later puts find DRAM."""
         plans: list[PutPlan | None] = []
         short = 0
         for key, size, csum, replicas, preferred, soft_pin in items:
             try:
-                plans.append(self.put_start(key, size, csum, replicas, preferred, soft_pin, make_room=False))
+                plan = self.put_start(key, size, csum, replicas, preferred, soft_pin, make_room=False, writer=writer)
             except NoRoom:
-                plans.append(None)
+                plan = None
+            plans.append(plan)
+            if plan is None or plan.replicas and plan.replicas[0].segment.medium != "dram":
                 short += size
-        placement.make_room_for(self, short)
+        if short:
+            self._run(placement.make_room_for(self.catalog, short))
         return plans
 
     def put_start(self, key: str, size: int, checksum: int, replicas: int = 0, preferred: str = "",
-                  soft_pin: bool = False, make_room: bool = True) -> PutPlan:
-        """Reserve places for one object; readers see nothing until `put_end`."""
+                  soft_pin: bool = False, make_room: bool = True, writer: str = "") -> PutPlan:
+        """Reserve places for one object; readers see nothing until `put_end`. When no DRAM segment
+        has room now and `writer` lends an LMDB tier, the place is there: the writer stores it itself."""
         self._check_key(key)
-        return self._start(key, size, checksum, replicas, preferred, soft_pin, make_room)
+        return self._start(key, size, checksum, replicas, preferred, soft_pin, make_room, writer=writer)
 
     def _start(self, key: str, size: int, checksum: int, replicas: int, preferred: str, soft_pin: bool,
-               make_room: bool, ahead: bool = False) -> PutPlan:
+               make_room: bool, ahead: bool = False, writer: str = "") -> PutPlan:
         """`ahead`: a place reserved before any object needs it takes free space only (evicts nothing)."""
         if size <= 0:
             raise InvalidArgument(f"object {key!r}: size must be positive, got {size}")
@@ -232,24 +201,36 @@ class StoreMaster:
         obj = self.objects.get(key)
         if obj is not None:
             if obj.committed or self.clock() - obj.started_at < self.policy.put_timeout_s:
-                self._touch_lru(obj)
+                self.catalog.touch_lru(obj)
                 return PutPlan([], exists=True)
             self._discard_stale(obj)
         if not drams:
             raise NoRoom("no DRAM segment is mounted: start an engine with --store-dram-bytes")
-        placed = placement.place(self, drams, size, min(replicas or self.policy.replicas, len(drams)), pref,
-                                 make_room and not ahead, evict=not ahead)
+        cat = self.catalog
+        placed = self._places(placement.place(cat, drams, size, min(replicas or self.policy.replicas, len(drams)),
+                                              pref, make_room and not ahead, evict=not ahead))
+        if not placed and writer and not ahead:
+            own = cat.tier_of(writer, "dram")  # a read promotes it there: it must fit
+            if own is not None and size <= own.capacity:
+                placed = self._places(placement.place_on_lmdb(cat, cat.tier_of(writer, "lmdb"), size))
         if not placed:
             raise NoRoom(f"no DRAM segment has {size} free bytes for {key!r} (copies are being moved to LMDB "
                          "or held by read leases); retry shortly or lend more DRAM")
-        obj = ObjectMeta(key, size, checksum, [p.replica for p in placed], False, self.clock(), soft_pin=soft_pin)
-        self.objects[key] = obj
-        self._pending[key] = None
-        for p in placed:
-            p.segment.keys[key] = None
-            if not ahead:
-                eviction.evict_if_needed(self, p.segment)
+        cat.new_object(key, size, checksum, placed, soft_pin)
+        if not ahead:
+            for p in placed:
+                self._run(eviction.evict_if_needed(cat, p.segment))
         return PutPlan(placed, exists=False)
+
+    def _places(self, decisions: Decisions[None]) -> list[Placed]:
+        """Apply a placement's decisions; the places it took."""
+        placed: list[Placed] = []
+        for d in decisions:
+            if isinstance(d, Place):
+                placed.append(self.catalog.take_space(d.segment, d.size))
+            else:
+                self._apply(d)
+        return placed
 
     def put_end(self, key: str, checksum: int | None = None) -> None:
         """Commit: from now on readers get the object (whose checksum the writer may give only now)."""
@@ -262,19 +243,18 @@ class StoreMaster:
         self._commit(obj, checksum)
 
     def _commit(self, obj: ObjectMeta, checksum: int | None) -> None:
+        cat = self.catalog
         if not obj.replicas:
-            self._forget(obj)
+            cat.forget(obj)
             raise FailedPrecondition(f"every place reserved for {obj.key!r} was lost (its segment's client died); "
                                      "put it again")
-        if checksum is not None:
-            obj.checksum = checksum
-        obj.committed = True
-        for r in obj.replicas:
-            r.complete = True
-        self._pending.pop(obj.key, None)
-        self._touch_lru(obj)
-        metrics.OBJECTS.inc()
-        self._announce(obj)
+        cat.commit(obj, checksum)
+        for r in list(obj.replicas):  # (a persist adds an LMDB copy)
+            seg = self.segments.get(r.segment)
+            if seg is not None and seg.medium == "dram":
+                cat.landed(obj, r, seg)
+                if self.policy.persist:
+                    self._run(tiering.persist(cat, obj, r, seg))
 
     # -- places reserved ahead ---------------------------------------------------------------------
     def reserve(self, size: int, count: int, replicas: int = 0, preferred: str = "",
@@ -311,19 +291,11 @@ class StoreMaster:
         existing = self.objects.get(key)
         if existing is not None:
             if existing.committed or self.clock() - existing.started_at < self.policy.put_timeout_s:
-                self._forget(place)
-                self._touch_lru(existing)
+                self.catalog.forget(place)
+                self.catalog.touch_lru(existing)
                 return True
             self._discard_stale(existing)
-        del self.objects[place.key]
-        self._pending.pop(place.key, None)
-        for r in place.replicas:  # the place's copies now hold `key`, newest in their segment's LRU order
-            seg = self.segments.get(r.segment)
-            if seg is not None:
-                seg.keys.pop(place.key, None)
-                seg.keys[key] = None
-        place.key, place.soft_pin = key, soft_pin
-        self.objects[key] = place
+        self.catalog.rename(place, key, soft_pin)
         self._commit(place, checksum)
         return True
 
@@ -331,14 +303,14 @@ class StoreMaster:
         place = self.objects.get(f"{RESERVED_PREFIX}{reservation}")
         if place is None or place.committed:
             return False
-        self._forget(place)
+        self.catalog.forget(place)
         return True
 
     def put_revoke(self, key: str) -> None:
         obj = self.objects.get(key)
         if obj is None or obj.committed:
             raise FailedPrecondition(f"PutRevoke({key!r}) without a PutStart in progress")
-        self._forget(obj)
+        self.catalog.forget(obj)
 
     def _discard_stale(self, obj: ObjectMeta) -> None:
         if obj.key.startswith(RESERVED_PREFIX):  # a writer that went idle: its places simply lapse
@@ -347,12 +319,16 @@ class StoreMaster:
         else:
             logger.warning("discarding put of %s: no PutEnd within %.1fs", obj.key, self.policy.put_timeout_s)
             metrics.STALE_PUTS.inc()
-        self._forget(obj)
+        self.catalog.forget(obj)
 
     # -- get and queries ---------------------------------------------------------------------------
-    def get_replicas(self, key: str, count: bool = True) -> ObjectView | PromotionPending:
-        """Complete DRAM copies under a read lease; an LMDB-only object is promoted first.
-        `count=False` renews a lease without counting a second lookup."""
+    def new_lease(self) -> int:
+        """An id for the read leases of one lookup, so that its reader can give them back (`release`)."""
+        return next(self._lease_ids)
+
+    def get_replicas(self, key: str, count: bool = True, lease: int = 0) -> ObjectView | PromotionPending:
+        """Complete DRAM copies under a read lease (`lease`: its id, 0 for one that only lapses); an
+        LMDB-only object is promoted first. `count=False` renews a lease without counting a second lookup."""
         obj = self.objects.get(key)
         if obj is None or not obj.committed:
             if count:
@@ -363,14 +339,24 @@ class StoreMaster:
         placed = [Placed(r, self.segments[r.segment]) for r in obj.replicas
                   if r.complete and self.segments[r.segment].medium == "dram"]
         if not placed:
-            return tiering.promote(self, obj)
-        obj.lease_until = max(obj.lease_until, now + self.policy.lease_s)
+            if not obj.promotion:  # else: join the one in flight
+                self._run(tiering.promote(self.catalog, obj))
+            return PromotionPending(obj.promotion)
+        self.catalog.lend(obj, lease, now, count)
         if count:
-            obj.hits += 1
             self.hits += 1
             metrics.lookup("hit").inc()
-        self._touch_lru(obj)
         return ObjectView(obj.key, obj.size, obj.checksum, placed, self.policy.lease_s)
+
+    def grant_lease(self, obj: ObjectMeta, lease: int = 0, now: float | None = None) -> None:
+        """Hold the object's copies for a reader for `lease_s` (or until it releases lease id `lease`)."""
+        self.catalog.grant_lease(obj, lease, now)
+
+    def release(self, lease: int, keys: Iterable[str]) -> int:
+        """A reader is done with these objects of lease `lease`: their copies are free to leave (a
+        promoted copy, which LMDB still holds, goes first when its DRAM needs room). Returns how many
+        leases ended."""
+        return self.catalog.release(lease, keys) if lease else 0
 
     def exist(self, key: str) -> bool:
         obj = self.objects.get(key)
@@ -392,8 +378,12 @@ class StoreMaster:
             obj = self.objects.get(key)
             if obj is not None:
                 removed += obj.committed
-                self._forget(obj)
+                self.catalog.forget(obj)
         return removed
+
+    def medium_of(self, obj: ObjectMeta) -> str:
+        """Where a reader finds the object at best: "dram", "lmdb", or "" (no complete copy)."""
+        return self.catalog.medium_of(obj)
 
     def _check_key(self, key: str) -> None:
         if not key or len(key.encode()) > MAX_KEY_BYTES:
@@ -404,20 +394,33 @@ class StoreMaster:
 
     # -- tier tasks ---------------------------------------------------------------------------------
     def send_delete(self, client_id: str, key: str, segment: str, size: int) -> None:
-        task = Task(next(self._seq), "delete", client_id, key, size, 0, segment, 0)
-        self.hooks.send_task(task)
+        self.catalog.send_delete(client_id, key, segment, size)
 
     def task_done(self, client_id: str, results: Iterable[tuple[int, bool, str]]) -> int:
         """The owner's report on tasks; returns how many matched a task still open."""
-        self._touch(client_id, create=False)
+        self.catalog.touch(client_id, create=False)
         accepted = 0
         for task_id, ok, error in results:
             task = self.tasks.get(task_id)
             if task is None or task.client_id != client_id:
                 continue
             accepted += 1
-            tiering.settle(self, task, ok, error)
+            self._settle(task, ok, error)
         return accepted
+
+    def _settle(self, task: Task, ok: bool, error: str) -> None:
+        """A task ended (reported, timed out, or its segment went): count it and apply its outcome."""
+        obj = self.catalog.close_task(task)
+        done = ok and obj is not None and obj.replica_on(task.dst_segment) is not None
+        if task.kind == "promote":
+            self.promotions += done
+            metrics.PROMOTIONS.labels("ok" if done else "failed").inc()
+        elif task.kind == "demote" and done:
+            self.demotions += 1
+            metrics.EVICTIONS.labels("dram", "demote").inc()
+        self._run(tiering.settle(self.catalog, task, obj, ok, error))
+        if task.kind == "promote":
+            self.hooks.promotion_settled(task.task_id, done)
 
     # -- housekeeping ------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -425,22 +428,19 @@ class StoreMaster:
         now = self.clock()
         for client in [c for c in self.clients.values() if now - c.last_seen > self.policy.client_ttl_s]:
             self.drop_client(client.client_id, f"silent for {now - client.last_seen:.1f}s")
-        for key in list(self._pending):
+        for key in list(self.catalog.pending):
             obj = self.objects[key]
             if now - obj.started_at < self.policy.put_timeout_s:
                 break
             self._discard_stale(obj)
         for task in [t for t in self.tasks.values() if t.deadline < now]:
-            tiering.settle(self, task, False, f"timed out after {self.policy.task_timeout_s:g}s")
-        while self._deferred and self._deferred[0][0] <= now:
-            _, _, seg, offset, size = heapq.heappop(self._deferred)
-            if self.segments.get(seg.name) is seg:
-                seg.alloc.free(offset, size)
+            self._settle(task, False, f"timed out after {self.policy.task_timeout_s:g}s")
+        self.catalog.free_lapsed(now)
         for seg in list(self.segments.values()):
-            eviction.evict_if_needed(self, seg)
+            self._run(eviction.evict_if_needed(self.catalog, seg))
 
     def drop_client(self, client_id: str, why: str) -> None:
-        client = self.clients.pop(client_id, None)
+        client = self.catalog.remove_client(client_id)
         if client is None:
             return
         logger.warning("client %s is dead (%s): unmounting its segments %s", client_id, why,
@@ -458,74 +458,33 @@ class StoreMaster:
         return PoolStats(segs, sum(o.committed for o in self.objects.values()), self.hits, self.misses,
                          self.evictions, self.demotions, self.promotions, self.epoch, len(self.clients))
 
-    # -- helpers used by eviction.py -----------------------------------------------------------------
-    def _dram_of(self, client_id: str) -> Segment | None:
-        return self._tier_of(client_id, "dram")
+    # -- applying decisions ------------------------------------------------------------------------
+    def _run(self, decisions: Iterable[Decision]) -> None:
+        """Apply a decider's decisions one by one (each before it decides the next)."""
+        for d in decisions:
+            self._apply(d)
 
-    def _tier_of(self, client_id: str, medium: str) -> Segment | None:
-        client = self.clients.get(client_id)
-        for name in client.segments if client else ():
-            seg = self.segments.get(name)
-            if seg is not None and seg.medium == medium:
-                return seg
-        return None
-
-    def _touch_lru(self, obj: ObjectMeta) -> None:
-        for r in obj.replicas:
-            seg = self.segments.get(r.segment)
-            if seg is not None and obj.key in seg.keys:
-                seg.keys.move_to_end(obj.key)
-
-    def _drop_replica(self, obj: ObjectMeta, rep: Replica, send_delete: bool = True) -> None:
-        """Remove one copy; a leased DRAM copy's bytes stay reserved until the lease ends."""
-        obj.replicas.remove(rep)
-        seg = self.segments.get(rep.segment)
-        if seg is not None:
-            seg.keys.pop(obj.key, None)
-            now = self.clock()
-            if seg.medium == "dram" and obj.lease_until > now:
-                heapq.heappush(self._deferred, (obj.lease_until, next(self._seq), seg, rep.offset, rep.size))
+    def _apply(self, d: Decision) -> None:
+        """Carry out one decision through the catalog's operations (and count what it counts)."""
+        cat = self.catalog
+        if isinstance(d, TierMove):
+            cat.open_task(d.kind, d.obj, d.replica, d.source, cat.add_copy(d.obj, d.to))
+        elif isinstance(d, Evict):
+            if d.to is not None and d.how == "demote":
+                cat.open_task("demote", d.obj, d.replica, d.segment, cat.add_copy(d.obj, d.to))
             else:
-                seg.alloc.free(rep.offset, rep.size)
-            if seg.medium == "lmdb" and rep.complete and send_delete:
-                self.send_delete(seg.owner, obj.key, seg.name, rep.size)
-        if obj.committed and not any(r.complete for r in obj.replicas):
-            self._forget(obj)
+                cat.drop_copy(d.obj, d.replica)
+                self.evictions += 1
+                metrics.EVICTIONS.labels(d.segment.medium, "drop").inc()
+        elif isinstance(d, DropPlace):
+            cat.forget(d.obj)
+        elif isinstance(d, Complete):
+            cat.complete(d.obj, d.replica)
+            if d.lease:
+                cat.grant_lease(d.obj, d.lease)
+        elif isinstance(d, Drop):
+            cat.drop_copy(d.obj, d.replica, d.send_delete)
+        elif isinstance(d, DeleteValue):
+            cat.send_delete(d.segment.owner, d.key, d.segment.name, d.size)
         else:
-            self._announce(obj)  # e.g. a demoted object's DRAM copy went: LMDB only now
-
-    def _forget(self, obj: ObjectMeta) -> None:
-        """Remove an object and every copy of it."""
-        if self.objects.get(obj.key) is not obj:
-            return
-        del self.objects[obj.key]
-        self._pending.pop(obj.key, None)
-        for rep in list(obj.replicas):
-            self._drop_replica(obj, rep)
-        if obj.committed:
-            metrics.OBJECTS.dec()
-        if obj.medium:
-            obj.medium = ""
-            self.hooks.pool_event("removed", (obj.key,), "")
-
-    def _announce(self, obj: ObjectMeta) -> None:
-        """Tell pool watchers where a committed object is readable, if that changed (after its copies did)."""
-        if not obj.committed or self.objects.get(obj.key) is not obj:
-            return
-        medium = self.medium_of(obj)
-        if medium and medium != obj.medium:
-            obj.medium = medium
-            self.hooks.pool_event("stored", (obj.key,), medium)
-
-    def medium_of(self, obj: ObjectMeta) -> str:
-        """Where a reader finds the object at best: "dram" if any complete copy is in DRAM, else "lmdb"
-        if one is on LMDB, else "" (no complete copy)."""
-        best = ""
-        for r in obj.replicas:
-            seg = self.segments.get(r.segment) if r.complete else None
-            if seg is not None:
-                if seg.medium == "dram":
-                    return "dram"
-                best = seg.medium
-        return best
-
+            raise AssertionError(f"{d!r} is not applied here (a Place is taken by `_places`)")

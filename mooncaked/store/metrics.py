@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
@@ -102,3 +102,22 @@ def client_bytes(op: str) -> Any:
 @functools.cache
 def hinted_read(outcome: str) -> Any:
     return HINTED_READS.labels(outcome)
+
+
+# high availability (leadership.py, fencing.py, master_link.py)
+IS_LEADER = Gauge("mooncaked_store_is_leader", "1 while this store master leads (or runs alone, without etcd), "
+                  "0 while it stands by.")
+LEADER_CHANGES = Counter("mooncaked_store_leader_changes",
+                         "Times this master took the leadership (elected) or lost it (deposed, resigned).",
+                         ["change"])
+REFUSED_CALLS = Counter("mooncaked_store_refused_calls",
+                        "Calls a master refused UNAVAILABLE: as a standby, or as a leader whose etcd lease was "
+                        "unconfirmed (fenced writes).", ["why"])
+OBJECTS_REBUILT = Counter("mooncaked_store_objects_rebuilt",
+                          "Objects a master learned again from its clients' re-reports after it took over or "
+                          "restarted.")
+FAILOVER_SECONDS = Histogram("mooncaked_store_failover_seconds",
+                             "Client side: from the first call the old store master failed to the first answer of "
+                             "the new leader.", buckets=(0.1, 0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20))
+LEADER_FOLLOWS = Counter("mooncaked_store_client_leader_changes",
+                         "Times a client (engine, conductor) moved to a new store master leader.")

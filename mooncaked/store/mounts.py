@@ -2,7 +2,10 @@
 forgot us (it restarted, or declared us dead), unmount at close.
 
 A remount of the LMDB tier re-reports every object it holds (from its metadata), which is
-how a restarted master, or a restarted engine on the same LMDB path, gets them back.
+how a restarted master, or a restarted engine on the same LMDB path, gets them back; a remount
+of the DRAM segment re-reports what its journal says is there and still matches its checksum
+(dram_journal.py), so a restarted master gets the DRAM objects of live engines back too. The
+LMDB tier mounts first: the master then knows which DRAM objects LMDB holds already.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from concurrent.futures import Executor
 import grpc
 
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
-from mooncaked.store.convert import record_to_proto, segment_to_proto
+from mooncaked.store.convert import segment_to_proto
+from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
 from mooncaked.store.errors import from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier
@@ -27,7 +31,7 @@ logger = logging.getLogger(__name__)
 class Mounts:
     def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, transfer: TransferEngine,
                  dram: DramSegment | None, lmdb: LmdbTier | None, rpc_timeout_s: float,
-                 lmdb_thread: Executor | None = None) -> None:
+                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None) -> None:
         self.client_id = client_id
         self._stub = stub
         self._transfer = transfer
@@ -35,6 +39,8 @@ class Mounts:
         self._lmdb = lmdb
         self._timeout = rpc_timeout_s
         self._lmdb_thread = lmdb_thread
+        self.journal = journal if journal is not None else DramJournal()
+        self.reported = 0  # objects the master accepted at the last mount_all (both tiers)
         self.epoch = 0  # the master's, as of our last mount
         self.remounts = 0
         self._remount = asyncio.Event()
@@ -52,23 +58,31 @@ class Mounts:
         return out
 
     async def mount_all(self) -> None:
-        """Mount every segment; the LMDB tier with the objects it holds."""
+        """Mount every segment, each with the objects it holds: the LMDB tier first, then DRAM."""
+        loop = asyncio.get_running_loop()
+        reported = 0
         try:
-            for spec in self.specs():
+            for spec in sorted(self.specs(), key=lambda s: s.medium != "lmdb"):
                 info = segment_to_proto(spec, self.client_id)
                 if spec.medium == "dram":
-                    reply = await self._stub.MountSegment(
-                        store_pb2.MountSegmentRequest(client_id=self.client_id, segment=info), timeout=self._timeout)
-                    self.epoch = reply.master_epoch
-                    continue
-                assert self._lmdb is not None
-                loop = asyncio.get_running_loop()
-                records = await loop.run_in_executor(self._lmdb_thread, self._lmdb.records)
-                reply = await self._stub.RemountSegment(
-                    store_pb2.RemountSegmentRequest(client_id=self.client_id, segment=info,
-                                                    objects=[record_to_proto(r) for r in records]),
-                    timeout=max(self._timeout, 1e-4 * len(records)))
+                    assert self._dram is not None
+                    records = await loop.run_in_executor(self._lmdb_thread, self.journal.records, self._dram.view)
+                else:
+                    assert self._lmdb is not None
+                    records = await loop.run_in_executor(self._lmdb_thread, self._lmdb.records)
+                request = store_pb2.RemountSegmentRequest(client_id=self.client_id, segment=info)
+                add = request.objects.add  # (the fastest way to build 10^5..10^6 of them)
+                for r in records:
+                    add(key=r.key, offset=r.offset, size=r.size, checksum=r.checksum)
+                reply = await self._stub.RemountSegment(request, timeout=max(self._timeout, 1e-4 * len(records)))
                 self.epoch = reply.master_epoch
+                reported += reply.objects_accepted
+                if spec.medium == "dram":
+                    self.journal.forget(reply.rejected_keys)
+                    if records:
+                        logger.info("DRAM segment %s re-reported %d objects (%d refused)", spec.name,
+                                    reply.objects_accepted, len(reply.rejected_keys))
+                    continue
                 if reply.rejected_keys:
                     logger.warning("master rejected %d of the %d objects on LMDB (conflicting copies); deleting them",
                                    len(reply.rejected_keys), len(records))
@@ -76,6 +90,7 @@ class Mounts:
                 logger.info("LMDB tier %s re-reported %d objects", spec.name, reply.objects_accepted)
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e, "mount") from None
+        self.reported = reported
 
     def request_remount(self) -> None:
         self._remount.set()

@@ -2,58 +2,65 @@
 
 Never two copies on one segment (each segment is tried once); the writer's preferred
 segment, when named, goes first. A segment too full for the object first drops what loses
-nothing (`eviction.free_now`); failing that, it starts demotions so a retry will fit.
+nothing (`eviction.free_now`); failing that, it starts demotions so a retry will fit. When no
+DRAM segment has room now, the object goes to the writer's own LMDB tier (`place_on_lmdb`):
+the writer holds the bytes, so storing them there is one local write, where waiting for a
+demotion would be a round trip through another process and a second copy of older bytes.
+
+A decider: it yields `Place` decisions (and the evictions that make room) and changes nothing;
+the master allocates each place when it applies it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from mooncaked.store import eviction
-from mooncaked.store.records import Placed, Replica, Segment
-
-if TYPE_CHECKING:
-    from mooncaked.store.master import StoreMaster
+from mooncaked.store.catalog import Catalog
+from mooncaked.store.decisions import Decisions, Place
+from mooncaked.store.records import Segment
 
 logger = logging.getLogger(__name__)
 
 
-def place(m: StoreMaster, drams: Sequence[Segment], size: int, want: int, preferred: Segment | None,
-          make_room: bool, evict: bool = True) -> list[Placed]:
-    """Allocate up to `want` copies of `size` bytes on distinct segments; [] when none has room.
+def place(cat: Catalog, drams: Sequence[Segment], size: int, want: int, preferred: Segment | None,
+          make_room: bool, evict: bool = True) -> Decisions[None]:
+    """Up to `want` places for `size` bytes on distinct segments; none when none has room.
     `evict=False`: free space only (a place reserved ahead must not push objects out)."""
     order = sorted(drams, key=lambda s: s.alloc.free_bytes, reverse=True)
     if preferred is not None:
         order.remove(preferred)
         order.insert(0, preferred)
-    placed: list[Placed] = []
-    ceiling = m.policy.high_watermark
+    placed = 0
+    ceiling = cat.policy.high_watermark
     for seg in order:
-        if len(placed) == want:
+        if placed == want:
             break
         if not evict and seg.used + size > ceiling * seg.capacity:
             continue  # a place reserved ahead never takes a segment past its watermark (it would push data out)
-        offset = seg.alloc.alloc(size)
-        if offset is None and evict and eviction.free_now(m, seg, size):
-            offset = seg.alloc.alloc(size)
-        if offset is None:
+        if not seg.alloc.fits(size) and not (evict and (yield from eviction.free_now(cat, seg, size))):
             if make_room:
-                eviction.make_room(m, seg, size)
+                yield from eviction.make_room(cat, seg, size)
             continue
-        placed.append(Placed(Replica(seg.name, offset, size), seg))
-    assert len({p.segment.name for p in placed}) == len(placed), "two copies on one segment"
-    return placed
+        yield Place(seg, size)  # (each segment once: never two copies on one)
+        placed += 1
 
 
-def make_room_for(m: StoreMaster, nbytes: int) -> None:
+def place_on_lmdb(cat: Catalog, lmdb: Segment | None, size: int) -> Decisions[None]:
+    """One place on the writer's LMDB tier (dropping its least recently used objects if it must, as a
+    demotion would); none when it has no tier or no room."""
+    if lmdb is not None and (lmdb.alloc.fits(size) or (yield from eviction.free_now(cat, lmdb, size))):
+        yield Place(lmdb, size)
+
+
+def make_room_for(cat: Catalog, nbytes: int) -> Decisions[None]:
     """Start demotions for `nbytes` that a batch could not place, from the emptiest segments on."""
-    drams = sorted((s for s in m.segments.values() if s.medium == "dram"),
+    drams = sorted((s for s in cat.segments.values() if s.medium == "dram"),
                    key=lambda s: s.alloc.free_bytes + s.leaving_bytes, reverse=True)
     for seg in drams:
         if nbytes <= 0:
             break
         before = seg.leaving_bytes
-        eviction.make_room(m, seg, nbytes)
+        yield from eviction.make_room(cat, seg, nbytes)
         nbytes -= seg.leaving_bytes - before

@@ -1,6 +1,7 @@
 """The master's records: segments, objects, their replicas, tier tasks, and the policy.
 
-Records hold state; `master.py` is the only code that mutates them.
+Records hold state; `catalog.py` is the only code that mutates them (a decision of `decisions.py`
+names records it does not change).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 Medium = Literal["dram", "lmdb"]
 MEDIA: tuple[str, ...] = ("dram", "lmdb")
-TaskKind = Literal["demote", "promote", "delete"]
+TaskKind = Literal["demote", "promote", "delete", "persist"]
 PoolEventKind = Literal["stored", "removed"]  # what pool watchers hear (service WatchPool)
 MAX_KEY_BYTES = 1024
 RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a NUL never starts a real key)
@@ -42,6 +43,9 @@ class Policy:
     task_timeout_s: float = 10.0  # a tier task not done by then has failed
     max_object_bytes: int = 256 << 20
     hot_hits: int = 3  # reads after which an object is soft-pinned (evicted last)
+    # every object committed to the DRAM of an owner with an LMDB tier is also copied there in the
+    # background: it outlives the process (even kill -9), and leaving DRAM then costs nothing
+    persist: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +118,9 @@ class ObjectMeta:
     committed: bool
     started_at: float
     soft_pin: bool = False
-    lease_until: float = 0.0
+    lease_until: float = 0.0  # the latest read lease's end (what eviction looks at)
+    leases: dict[int, float] | None = None  # lease id -> its end, while leases are live (0: anonymous;
+    # -task id: a promotion's, for the readers waiting on it)
     hits: int = 0
     busy: int = 0  # tier tasks in flight; never evicted meanwhile
     promotion: int = 0  # task id of the promotion in flight, 0 if none

@@ -25,7 +25,8 @@ from mooncaked.tasks import spawn
 from mooncaked.transfer import host_id
 from mooncaked.store import convert, metrics
 from mooncaked.store.fast_path import FastPathServer
-from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError
+from mooncaked.store.fencing import Gate
+from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError, StoreUnavailable
 from mooncaked.store.master import StoreMaster
 from mooncaked.store.pool_events import PoolEventHub
 from mooncaked.store.records import ObjectView, Policy, PoolEventKind, PromotionPending, Task
@@ -35,13 +36,21 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = "mooncake.v1.StoreMaster"
 HOST_ID = host_id()  # clients with the same id may take the fast path's Unix socket
 TICK_S = 0.1
+JOURNAL_FLUSH_S = 0.01
+"""Journal entries (what was committed to a client's DRAM) go out batched this long after the first."""
+MAX_JOURNAL_ENTRIES = 4096  # per message (~200 KB)
 
 
 def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Map StoreError to its status; log anything else as a bug and answer INTERNAL."""
+    """Map StoreError to its status; log anything else as a bug and answer INTERNAL. A call the
+    gate refuses (a standby, or a fenced leader's write: fencing.py) is answered UNAVAILABLE."""
+    name = fn.__name__
 
     @functools.wraps(fn)
     async def wrapper(self: StoreService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        why = self.gate.refusal(name)
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         try:
             return await fn(self, request, context)
         except StoreError as e:
@@ -75,7 +84,11 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     def __init__(self, policy: Policy, clock: Callable[[], float] = time.monotonic) -> None:
         self.master = StoreMaster(policy, hooks=self, clock=clock)
-        self._queues: dict[str, asyncio.Queue[Task | None]] = {}
+        self.gate = Gate()  # who may be served: everyone, unless HA makes this master a standby (fencing.py)
+        self.name = ""  # this master's instance name (Describe)
+        self._queues: dict[str, asyncio.Queue[Task | store_pb2.TierTask | None]] = {}
+        self._journal: dict[str, list[tuple[str, int, int, int]]] = {}  # client -> entries not sent yet
+        self._journal_timer: asyncio.TimerHandle | None = None
         self._promotions: dict[int, asyncio.Future[bool]] = {}
         self.fast_path_port = 0  # set by MasterRunner once the fast path listens
         self.fast_path_unix = ""  # and its Unix socket, for clients on this host
@@ -92,6 +105,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
             fut.set_result(ok)
 
     def client_dropped(self, client_id: str) -> None:
+        self._journal.pop(client_id, None)
         q = self._queues.pop(client_id, None)
         if q is not None:
             q.put_nowait(None)  # ends its Tasks stream; the client remounts and reopens it
@@ -99,7 +113,29 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     def pool_event(self, kind: PoolEventKind, keys: Sequence[str], medium: str) -> None:
         self.pool_events.add(kind, keys, medium)
 
-    def _queue(self, client_id: str) -> asyncio.Queue[Task | None]:
+    def journal(self, client_id: str, key: str, offset: int, size: int, checksum: int) -> None:
+        entries = self._journal.get(client_id)
+        if entries is None:
+            entries = self._journal[client_id] = []
+        entries.append((key, offset, size, checksum))
+        if self._journal_timer is None:
+            try:
+                self._journal_timer = asyncio.get_running_loop().call_later(JOURNAL_FLUSH_S, self.flush_journal)
+            except RuntimeError:  # no loop (a master driven by hand): nobody to tell
+                self._journal.clear()
+
+    def flush_journal(self) -> None:
+        """Send each client what changed in its DRAM since the last flush, on its Tasks stream."""
+        self._journal_timer = None
+        pending, self._journal = self._journal, {}
+        for client_id, entries in pending.items():
+            if client_id not in self.master.clients:
+                continue  # dropped: it remounts with what its own journal holds
+            q = self._queue(client_id)
+            for start in range(0, len(entries), MAX_JOURNAL_ENTRIES):
+                q.put_nowait(convert.journal_to_proto(entries[start:start + MAX_JOURNAL_ENTRIES]))
+
+    def _queue(self, client_id: str) -> asyncio.Queue[Task | store_pb2.TierTask | None]:
         q = self._queues.get(client_id)
         if q is None:
             q = self._queues[client_id] = asyncio.Queue()
@@ -107,13 +143,29 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     async def housekeeping(self, tick_s: float = TICK_S) -> None:
         while True:
-            self.master.tick()
+            if self.gate.writable():  # a standby or fenced leader moves nothing
+                self.master.tick()
             await asyncio.sleep(tick_s)
 
     def close_streams(self) -> None:
         for q in self._queues.values():
             q.put_nowait(None)
         self.pool_events.close()
+
+    def forget(self) -> None:
+        """Drop every object, client and stream and take a new epoch: what a deposed leader does
+        (leadership.py), its metadata being stale once another master may have led."""
+        self.close_streams()
+        self._queues.clear()
+        self._journal.clear()
+        for fut in self._promotions.values():
+            if not fut.done():
+                fut.set_result(False)
+        self._promotions.clear()
+        metrics.SEGMENTS.unwatch(self.master)
+        self.master = StoreMaster(self.master.policy, hooks=self, clock=self.master.clock)
+        self.pool_events = PoolEventHub(self.master)
+        metrics.SEGMENTS.watch(self.master)
 
     # -- segments ---------------------------------------------------------------------------------
     @_now
@@ -123,9 +175,10 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def RemountSegment(self, request, context):
-        records = [convert.record_from_proto(r) for r in request.objects]
+        # the messages as they are: they read as ObjectRecords (a remount may re-report millions)
         accepted, rejected = self.master.mount(request.client_id, convert.segment_from_proto(request.segment),
-                                               records)
+                                               request.objects)
+        metrics.OBJECTS_REBUILT.inc(accepted)
         return store_pb2.RemountSegmentReply(objects_accepted=accepted, master_epoch=self.master.epoch,
                                              rejected_keys=rejected)
 
@@ -145,7 +198,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     # -- put ----------------------------------------------------------------------------------------
     def _put_start(self, r: store_pb2.PutStartRequest) -> store_pb2.PutStartReply:
-        plan = self.master.put_start(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin)
+        plan = self.master.put_start(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin,
+                                     writer=r.client_id)
         return store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas],
                                        exists=plan.exists)
 
@@ -156,7 +210,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     @_now
     def BatchPutStart(self, request, context):
         plans = self.master.put_start_many([(r.key, r.size, r.checksum, r.replicas, r.preferred_segment, r.soft_pin)
-                                            for r in request.items])
+                                            for r in request.items], writer=request.client_id)
         return store_pb2.BatchPutStartReply(items=[
             store_pb2.PutStartReply(replicas=[convert.placed_to_proto(p) for p in plan.replicas], exists=plan.exists)
             if plan is not None else store_pb2.PutStartReply() for plan in plans])
@@ -245,12 +299,11 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 raise NotFound(f"{key!r} could not be read back from its LMDB tier (corrupt, gone or its owner "
                                "did not answer)")
 
-    def _renew(self, view: ObjectView) -> ObjectView | None:
+    def _renew(self, key: str, lease: int = 0) -> ObjectView | PromotionPending | None:
         try:
-            res = self.master.get_replicas(view.key, count=False)
+            return self.master.get_replicas(key, count=False, lease=lease)
         except (NotFound, NoRoom):
             return None
-        return res if isinstance(res, ObjectView) else None
 
     @_rpc
     async def GetReplicas(self, request, context):
@@ -259,39 +312,93 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def BatchGetReplicas(self, request, context):
-        """Replies at once unless an object must first come back from LMDB (or wait for DRAM room)."""
+        """Replies at once unless an object must first come back from LMDB (or wait for DRAM room).
+
+        A chain longer than its owners' DRAM is read in pieces: what fits now is promoted and
+        answered, the rest is named in later_keys, and the reader asks again after reading this
+        piece and giving its lease back (release_lease, on that next request)."""
+        master = self.master
+        if request.release_lease:
+            master.release(request.release_lease, request.release_keys)
+        if not request.keys:
+            return store_pb2.BatchGetReplicasReply(lease_s=master.policy.lease_s)
+        lease = master.new_lease()
         views: list[ObjectView | None] = []
-        waiting: list[int] = []  # keys whose object must first be promoted from LMDB (or wait for room)
+        pending: dict[int, int] = {}  # key index -> promotion task id
+        short: list[int] = []  # keys whose promotion found no DRAM room now
         for i, key in enumerate(request.keys):
             try:
-                res = self.master.get_replicas(key)
+                res = master.get_replicas(key, lease=lease)
             except NotFound:
                 res = None
-            except NoRoom:  # its promotion waits for DRAM room: below, with the promotions
+            except NoRoom:
                 res = None
-                waiting.append(i)
+                short.append(i)
             if isinstance(res, PromotionPending):
+                pending[i] = res.task_id
                 res = None
-                waiting.append(i)
             views.append(res)
-        if waiting:
-            return self._after_promotions(request, context, views, waiting)
+        if pending or short:
+            return self._after_promotions(request, context, views, pending, short, lease)
         return self._replicas_reply(views)
 
-    async def _after_promotions(self, request, context, views: list[ObjectView | None],
-                                waiting: list[int]) -> store_pb2.BatchGetReplicasReply:
+    async def _after_promotions(self, request, context, views: list[ObjectView | None], pending: dict[int, int],
+                                short: list[int], lease: int) -> store_pb2.BatchGetReplicasReply:
         deadline = self._deadline(context)
-
-        async def one(key: str) -> ObjectView | None:
-            try:
-                return await self._get(key, deadline)
-            except (NotFound, NoRoom):
-                return None
-
-        for i, view in zip(waiting, await asyncio.gather(*(one(request.keys[i]) for i in waiting))):
-            views[i] = view
+        keys = request.keys
+        if short and not pending and all(v is None for v in views):
+            short = await self._wait_for_room(keys, views, pending, short, lease, deadline)
+        ok = await asyncio.gather(*(self._promoted(task_id, deadline) for task_id in pending.values()))
+        later = [keys[i] for i in short]
+        for i, promoted in zip(pending, ok):
+            if not promoted:
+                logger.info("%r could not be read back from its LMDB tier (corrupt, gone, or its owner did not "
+                            "answer in time)", keys[i])
+                continue
+            res = self._renew(keys[i], lease)
+            self.master.release(-pending[i], (keys[i],))  # the promotion's own lease (tiering.settle)
+            if isinstance(res, PromotionPending):  # its promoted copy left already: next time
+                later.append(keys[i])
+            else:
+                views[i] = res
         # the waits took a while: renew every lease now, at reply time
-        return self._replicas_reply([self._renew(v) if v is not None else None for v in views])
+        for i, v in enumerate(views):
+            if v is not None and i not in pending:
+                res = self._renew(v.key, lease)
+                views[i] = res if isinstance(res, ObjectView) else None
+        reply = self._replicas_reply(views)
+        reply.lease_id = lease
+        if later:
+            order = {k: i for i, k in enumerate(keys)}
+            reply.later_keys.extend(sorted(later, key=order.__getitem__))
+        return reply
+
+    async def _wait_for_room(self, keys: Sequence[str], views: list[ObjectView | None], pending: dict[int, int],
+                             short: list[int], lease: int, deadline: float) -> list[int]:
+        """Nothing of the batch is readable yet: retry until some promotion starts (others' leases
+        end, demotions finish) or the deadline; returns the keys still short of room."""
+        loop = asyncio.get_running_loop()
+        pause = 0.01
+        while short and loop.time() + pause <= deadline:
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.2)
+            still = []
+            for i in short:
+                try:
+                    res = self.master.get_replicas(keys[i], count=False, lease=lease)
+                except NotFound:  # removed meanwhile
+                    continue
+                except NoRoom:
+                    still.append(i)
+                    continue
+                if isinstance(res, PromotionPending):
+                    pending[i] = res.task_id
+                else:
+                    views[i] = res
+            short = still
+            if pending or any(v is not None for v in views):
+                break
+        return short
 
     def _replicas_reply(self, views: list[ObjectView | None]) -> store_pb2.BatchGetReplicasReply:
         return store_pb2.BatchGetReplicasReply(objects=[convert.view_to_proto(v) for v in views if v is not None],
@@ -319,11 +426,20 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def Describe(self, request, context):
+        gate = self.gate
+        if not gate.leading:  # a standby: only to who asks for any role, and without its fast path
+            if not request.any_role:
+                raise StoreUnavailable(gate.standby_message())
+            return store_pb2.DescribeReply(role=gate.role, leader=gate.leader, name=self.name, host_id=HOST_ID)
         return store_pb2.DescribeReply(fast_path_port=self.fast_path_port, master_epoch=self.master.epoch,
-                                       fast_path_unix=self.fast_path_unix, host_id=HOST_ID)
+                                       fast_path_unix=self.fast_path_unix, host_id=HOST_ID, role=gate.role,
+                                       leader=gate.leader, name=self.name, writable=gate.writable())
 
     # -- tier tasks ---------------------------------------------------------------------------------
     async def Tasks(self, request, context) -> AsyncIterator[store_pb2.TierTask]:
+        why = self.gate.refusal("Tasks")
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         if request.client_id not in self.master.clients:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"client {request.client_id!r} is not known to this master: mount a segment first")
@@ -332,6 +448,9 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
             task = await q.get()
             if task is None:
                 return
+            if isinstance(task, store_pb2.TierTask):  # a journal batch
+                yield task
+                continue
             if task.kind != "delete" and task.task_id not in self.master.tasks:
                 continue  # settled while queued (its segment went, or it timed out): moving bytes now would harm
             yield convert.task_to_proto(task)
@@ -339,6 +458,9 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     # -- pool events ----------------------------------------------------------------------------------
     async def WatchPool(self, request, context) -> AsyncIterator[store_pb2.PoolEvents]:
         """The snapshot, then live events; a subscriber cut off for lagging gets RESOURCE_EXHAUSTED."""
+        why = self.gate.refusal("WatchPool")
+        if why is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         sub, snapshot = self.pool_events.subscribe(request.key_prefix, context.peer())
         try:
             for msg in snapshot:

@@ -1,10 +1,12 @@
 """Carries out the master's tier moves inside the client that owns the segments.
 
 The master never touches bytes; when it decides that a DRAM copy moves to LMDB (demote),
-that an LMDB object is needed in DRAM for a read (promote), or that an LMDB value goes
-(delete), it sends a `TierTask` down this client's `Tasks` stream. Tasks that arrive
-together run as one batch in a thread (one LMDB transaction) and are reported with one
-`TaskDone`. The stream is reopened whenever it ends (master restart, deadline).
+is copied there too (persist), that an LMDB object is needed in DRAM for a read (promote),
+or that an LMDB value goes (delete), it sends a `TierTask` down this client's `Tasks` stream.
+Tasks that arrive together run as one batch in a thread (one LMDB transaction) and are
+reported with one `TaskDone`. Journal batches (what was committed to or left this client's
+DRAM, dram_journal.py) come on the same stream and are applied at once. The stream is
+reopened whenever it ends (master restart, deadline).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.store import metrics
 from mooncaked.store.convert import TASK_KIND_NAMES
+from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.records import checksum
@@ -33,7 +36,7 @@ RETRY_S = 0.2
 class TierWorker:
     def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, dram: DramSegment | None,
                  lmdb: LmdbTier | None, rpc_timeout_s: float, remount_needed: Callable[[], None],
-                 lmdb_thread: Executor | None = None) -> None:
+                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None) -> None:
         self.client_id = client_id
         self._stub = stub
         self._dram = dram
@@ -41,6 +44,7 @@ class TierWorker:
         self._timeout = rpc_timeout_s
         self._remount_needed = remount_needed
         self._lmdb_thread = lmdb_thread
+        self.journal = journal if journal is not None else DramJournal()
         self._inbox: asyncio.Queue[store_pb2.TierTask] = asyncio.Queue()
         self.done = 0  # tasks carried out (tests and drain wait on it)
 
@@ -52,7 +56,10 @@ class TierWorker:
                 call = self._stub.Tasks(store_pb2.TasksRequest(client_id=self.client_id), timeout=STREAM_DEADLINE_S)
                 async for task in call:
                     quiet_failures = 0
-                    self._inbox.put_nowait(task)
+                    if task.kind == store_pb2.TierTask.KIND_JOURNAL:
+                        self.journal.apply(task.journal)
+                    else:
+                        self._inbox.put_nowait(task)
             except Exception as e:  # noqa: BLE001 - the stream is reopened whatever broke it
                 if not isinstance(e, grpc.aio.AioRpcError):
                     logger.exception("store tasks stream of %s failed; reopening", self.client_id)
@@ -88,7 +95,7 @@ class TierWorker:
                                    e.details())
 
     def run_batch(self, batch: list[store_pb2.TierTask]) -> list[store_pb2.TaskResult]:
-        """Blocking: demotions in one LMDB transaction, then promotions, then deletes."""
+        """Blocking: demotions and persists in one LMDB transaction, then promotions, then deletes."""
         errors: dict[int, str] = {}
         writes: list[tuple[store_pb2.TierTask, LmdbWrite]] = []
         deletes: list[str] = []
@@ -96,7 +103,7 @@ class TierWorker:
             kind = TASK_KIND_NAMES.get(t.kind, "?")
             if self._lmdb is None or (kind in ("demote", "promote") and self._dram is None):
                 errors[t.task_id] = "this client has no such tier"
-            elif kind == "demote":
+            elif kind in ("demote", "persist"):
                 data = self._dram.slice(t.src_offset, t.size)
                 if checksum(data) != t.checksum:
                     metrics.CHECKSUM_FAILURES.labels("dram").inc()

@@ -17,8 +17,17 @@ from mooncaked.transfer.api import (
     TransferTimeoutError,
     UnknownRegionError,
 )
-from mooncaked.transfer.engine import TransferEngine
-from mooncaked.transfer.shm import host_id
+from mooncaked.transfer.host import host_id
+
+
+def __getattr__(name: str):
+    """`TransferEngine` loads torch (for tensor regions): imported on first use, so processes that only
+    speak the wire (the store master) start without it."""
+    if name == "TransferEngine":
+        from mooncaked.transfer.engine import TransferEngine
+
+        return TransferEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "BackendUnavailableError",

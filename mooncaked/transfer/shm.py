@@ -22,11 +22,9 @@ under one of our names is refused.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import mmap
 import os
-import socket
 import stat
 import uuid
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
+from mooncaked.transfer.host import host_id  # noqa: F401 - re-exported: peers compare it
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +41,6 @@ SHM_PREFIX = "mooncaked-"
 PAGE = mmap.PAGESIZE
 SEGMENT_MODE = 0o600
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-
-
-def host_id() -> str:
-    """Names this host (and boot) so two engines can tell they share /dev/shm. Peers only compare
-    it, so the boot id goes out as a digest (the host name stays: errors name it)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "unknown-boot"
-    return f"{socket.gethostname()}/{hashlib.sha256(boot.encode()).hexdigest()[:16]}"
 
 
 def shm_available() -> bool:

@@ -23,11 +23,9 @@ from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Reque
 
 from .instances import Job, Seq, SimDecode, SimPrefill
 from .metrics import Outcome, PolicyResult, summarize
-from .trace import TraceRequest
+from .trace import TRACE_BLOCK_TOKENS, TraceRequest, scale_trace
 
 log = logging.getLogger(__name__)
-
-TRACE_BLOCK_TOKENS = 512  # Mooncake's traces hash 512-token blocks
 
 
 @dataclass(frozen=True)
@@ -41,6 +39,7 @@ class SimConfig:
     heterogeneity: float = 0.1  # instance speeds drawn from [1 - h, 1 + h]
     cache_blocks: int | None = None        # per prefill instance; None: the profile's
     kv_capacity_tokens: int | None = None  # per decode instance; None: the profile's
+    length_scale: float = 1.0  # lengths x this, as tools/replay.py sends them
 
 
 class Simulation:
@@ -49,9 +48,10 @@ class Simulation:
             raise ValueError("need at least one prefill and one decode instance")
         if cfg.profile is None:
             raise ValueError("SimConfig.profile is required")
-        if cfg.profile.block_size != TRACE_BLOCK_TOKENS:
-            raise ValueError(f"traces hash {TRACE_BLOCK_TOKENS}-token blocks; profile {cfg.profile.name!r} has "
-                             f"block_size {cfg.profile.block_size} (give block_bytes per {TRACE_BLOCK_TOKENS} tokens)")
+        if cfg.profile.block_size != TRACE_BLOCK_TOKENS or cfg.length_scale != 1.0 or cfg.profile.max_model_len:
+            # what a live cluster with the profile's block size sees when tools/replay.py sends the trace
+            ctx = cfg.profile.max_model_len
+            trace = scale_trace(trace, cfg.length_scale, cfg.profile.block_size, ctx - 1 if ctx else None)
         self.trace = trace
         self.cfg = cfg
         self.policy = policy
@@ -77,7 +77,7 @@ class Simulation:
             InstanceView(p.name, "prefill", p.model, own_blocks=look.holders.get(p.name, 0),
                          own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
                          pool_slow_blocks=look.pool_slow, queued_tokens=p.backlog.waiting_tokens,
-                         queued_s=p.backlog.seconds(now))
+                         queued_s=p.backlog.seconds(now), pending_blocks=p.pending_run(req.hash_ids))
             for p in self.prefills)
         bs = self.profile.block_size
         decodes = []

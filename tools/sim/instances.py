@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,6 +55,18 @@ class SimPrefill:
         self.queue: deque[Job] = deque()
         self.running: Job | None = None
         self.backlog = PrefillBacklog()
+        self.pending: Counter[int] = Counter()  # blocks the queued and running jobs will have cached
+
+    def pending_run(self, hashes: tuple[int, ...]) -> int:
+        """Leading blocks of ``hashes`` that jobs already queued or running here are computing."""
+        if not self.pending:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self.pending:
+                break
+            n += 1
+        return n
 
     def own_run(self, hashes: tuple[int, ...]) -> int:
         n = 0
@@ -67,6 +79,7 @@ class SimPrefill:
     def enqueue(self, job: Job, now: float) -> float | None:
         """Queue a job; returns its finish time when the instance was idle and started it."""
         self.backlog.add(str(job.req.index), job.decision.predicted_prefill_s, job.req.input_length)
+        self.pending.update(job.req.hash_ids)
         self.queue.append(job)
         return self.start_next(now) if self.running is None else None
 
@@ -95,6 +108,10 @@ class SimPrefill:
         assert job is not None, "completion without a running job"
         self.running = None
         self.backlog.finish(str(job.req.index))
+        self.pending.subtract(job.req.hash_ids)
+        for h in job.req.hash_ids:
+            if self.pending[h] <= 0:
+                del self.pending[h]
         cached = job.req.input_length - job.computed_tokens
         self.model.prefill.observe(job.computed_tokens, cached, job.compute_s)
         hashes = job.req.hash_ids

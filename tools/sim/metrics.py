@@ -50,6 +50,8 @@ class PolicyResult:
     goodput_rps: float
     rejected: int
     dropped_after_prefill: int
+    prompt_tokens: int            # of the requests prefilled
+    cache_hit_rate: float         # prompt tokens reused (not computed) / prompt tokens, as replay's report counts it
     prefill_tokens_computed: int
     prefill_tokens_wasted: int
     prefill_tokens_reused: int
@@ -68,6 +70,8 @@ def summarize(policy: str, outcomes: list[Outcome], slo: SLO, wall_s: float) -> 
     ttft = np.array([o.ttft_s for o in served]) if served else np.zeros(1)
     tbt_ok = [o.tbt_ok() for o in served]
     good = sum(1 for o, ok in zip(served, tbt_ok) if ok and o.ttft_s <= slo.ttft_s)
+    prefilled = [o for o in outcomes if o.computed_tokens]
+    prompt = sum(o.input_length for o in prefilled)
     start = min((o.arrival_s for o in outcomes), default=0.0)
     end = max((o.finished_s for o in served), default=start)
     span = max(end - start, 1e-9)
@@ -81,6 +85,7 @@ def summarize(policy: str, outcomes: list[Outcome], slo: SLO, wall_s: float) -> 
         goodput_rps=good / span,
         rejected=sum(1 for o in outcomes if o.rejected),
         dropped_after_prefill=sum(1 for o in outcomes if o.dropped),
+        prompt_tokens=prompt, cache_hit_rate=sum(o.reused_tokens for o in prefilled) / prompt if prompt else 0.0,
         prefill_tokens_computed=sum(o.computed_tokens for o in outcomes),
         prefill_tokens_wasted=sum(o.computed_tokens for o in outcomes if o.dropped),
         prefill_tokens_reused=sum(o.reused_tokens for o in outcomes),
@@ -107,7 +112,7 @@ def average(results: list[PolicyResult]) -> PolicyResult:
 COLUMNS = (("policy", "{:<18}", "policy"), ("mean_ttft_s", "{:>9.2f}", "TTFT mean"), ("p90_ttft_s", "{:>8.2f}", "TTFT p90"),
            ("mean_prefill_wait_s", "{:>6.2f}", "wait"),
            ("tbt_slo_attainment", "{:>8.1%}", "TBT ok"), ("slo_attainment", "{:>8.1%}", "SLO ok"),
-           ("goodput_rps", "{:>8.3f}", "goodput"), ("rejected", "{:>5d}", "rej"),
+           ("goodput_rps", "{:>8.3f}", "goodput"), ("cache_hit_rate", "{:>6.1%}", "hit"), ("rejected", "{:>5d}", "rej"),
            ("dropped_after_prefill", "{:>5d}", "late"), ("prefill_tokens_computed", "{:>12,d}", "computed"),
            ("prefill_tokens_wasted", "{:>10,d}", "wasted"), ("prefill_tokens_reused", "{:>12,d}", "reused"),
            ("wall_s", "{:>6.1f}", "wall"))

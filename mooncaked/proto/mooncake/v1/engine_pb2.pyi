@@ -44,23 +44,48 @@ class RenewReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "plan")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     decode_endpoint: _common_pb2.TransferEndpoint
     decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_layout: _common_pb2.KVLayout
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    plan: PrefillPlan
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ...) -> None: ...
+
+class PrefillPlan(_message.Message):
+    __slots__ = ("reuse_blocks", "pull_from", "pull_blocks", "pull_address", "replicate", "pool_fallback")
+    REUSE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FROM_FIELD_NUMBER: _ClassVar[int]
+    PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    reuse_blocks: int
+    pull_from: str
+    pull_blocks: int
+    pull_address: str
+    replicate: bool
+    pool_fallback: bool
+    def __init__(self, reuse_blocks: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ..., pull_address: _Optional[str] = ..., replicate: _Optional[bool] = ..., pool_fallback: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs")
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs", "local_blocks", "pulled_blocks", "pulled_from", "replicated", "deviations")
+    class DeviationsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +96,11 @@ class PrefillReply(_message.Message):
     PUSH_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    DEVIATIONS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     num_cached_tokens: int
@@ -81,7 +111,12 @@ class PrefillReply(_message.Message):
     push_bytes: int
     push_s: float
     first_top_logprobs: _common_pb2.TopLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+    local_blocks: int
+    pulled_blocks: int
+    pulled_from: str
+    replicated: bool
+    deviations: _containers.ScalarMap[str, int]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., local_blocks: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., pulled_from: _Optional[str] = ..., replicated: _Optional[bool] = ..., deviations: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "first_top_logprobs")
@@ -166,3 +201,39 @@ class CachedPrefixReply(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class LendRequest(_message.Message):
+    __slots__ = ("block_hashes", "lease_s", "borrower")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    BORROWER_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    borrower: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., borrower: _Optional[str] = ...) -> None: ...
+
+class LendReply(_message.Message):
+    __slots__ = ("loan_id", "block_ids", "endpoint", "layout", "lease_s")
+    LOAN_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    loan_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    endpoint: _common_pb2.TransferEndpoint
+    layout: _common_pb2.KVLayout
+    lease_s: float
+    def __init__(self, loan_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("loan_id",)
+    LOAN_ID_FIELD_NUMBER: _ClassVar[int]
+    loan_id: str
+    def __init__(self, loan_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

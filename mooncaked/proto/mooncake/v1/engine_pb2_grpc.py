@@ -75,6 +75,16 @@ class EngineStub:
                 request_serializer=mooncake_dot_v1_dot_engine__pb2.CachedPrefixRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_engine__pb2.CachedPrefixReply.FromString,
                 _registered_method=True)
+        self.Lend = channel.unary_unary(
+                '/mooncake.v1.Engine/Lend',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.LendRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.LendReply.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/mooncake.v1.Engine/Release',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -137,6 +147,21 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lend(self, request, context):
+        """Either: pin the cached blocks of a hash chain under a short lease, so a peer prefill reads their KV
+        straight from this instance's KV cache over the transfer engine (a plan's "pull from peer").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Either: the peer has read a loan's blocks; unpin them before the lease ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -179,6 +204,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.CachedPrefix,
                     request_deserializer=mooncake_dot_v1_dot_engine__pb2.CachedPrefixRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_engine__pb2.CachedPrefixReply.SerializeToString,
+            ),
+            'Lend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lend,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.LendRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.LendReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +433,60 @@ class Engine:
             '/mooncake.v1.Engine/CachedPrefix',
             mooncake_dot_v1_dot_engine__pb2.CachedPrefixRequest.SerializeToString,
             mooncake_dot_v1_dot_engine__pb2.CachedPrefixReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/Lend',
+            mooncake_dot_v1_dot_engine__pb2.LendRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.LendReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/Release',
+            mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

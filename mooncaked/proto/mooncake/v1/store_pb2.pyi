@@ -10,20 +10,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DescribeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("any_role",)
+    ANY_ROLE_FIELD_NUMBER: _ClassVar[int]
+    any_role: bool
+    def __init__(self, any_role: _Optional[bool] = ...) -> None: ...
 
 class DescribeReply(_message.Message):
-    __slots__ = ("fast_path_port", "master_epoch", "fast_path_unix", "host_id")
+    __slots__ = ("fast_path_port", "master_epoch", "fast_path_unix", "host_id", "role", "leader", "name", "writable")
     FAST_PATH_PORT_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_UNIX_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     fast_path_port: int
     master_epoch: int
     fast_path_unix: str
     host_id: str
-    def __init__(self, fast_path_port: _Optional[int] = ..., master_epoch: _Optional[int] = ..., fast_path_unix: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    role: str
+    leader: str
+    name: str
+    writable: bool
+    def __init__(self, fast_path_port: _Optional[int] = ..., master_epoch: _Optional[int] = ..., fast_path_unix: _Optional[str] = ..., host_id: _Optional[str] = ..., role: _Optional[str] = ..., leader: _Optional[str] = ..., name: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class Replica(_message.Message):
     __slots__ = ("segment", "offset", "size", "endpoint", "medium")
@@ -130,20 +140,22 @@ class RemountSegmentReply(_message.Message):
     def __init__(self, objects_accepted: _Optional[int] = ..., master_epoch: _Optional[int] = ..., rejected_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("key", "size", "checksum", "replicas", "preferred_segment", "soft_pin")
+    __slots__ = ("key", "size", "checksum", "replicas", "preferred_segment", "soft_pin", "client_id")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SOFT_PIN_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     checksum: int
     replicas: int
     preferred_segment: str
     soft_pin: bool
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., soft_pin: _Optional[bool] = ...) -> None: ...
+    client_id: str
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[int] = ..., preferred_segment: _Optional[str] = ..., soft_pin: _Optional[bool] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class PutStartReply(_message.Message):
     __slots__ = ("replicas", "exists")
@@ -180,10 +192,12 @@ class PutRevokeReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ...) -> None: ...
 
 class BatchPutStartRequest(_message.Message):
-    __slots__ = ("items",)
+    __slots__ = ("items", "client_id")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
-    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+    client_id: str
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class BatchPutStartReply(_message.Message):
     __slots__ = ("items",)
@@ -278,20 +292,28 @@ class GetReplicasReply(_message.Message):
     def __init__(self, object: _Optional[_Union[ObjectReplicas, _Mapping]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class BatchGetReplicasRequest(_message.Message):
-    __slots__ = ("keys", "client_id")
+    __slots__ = ("keys", "client_id", "release_lease", "release_keys")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[str]
     client_id: str
-    def __init__(self, keys: _Optional[_Iterable[str]] = ..., client_id: _Optional[str] = ...) -> None: ...
+    release_lease: int
+    release_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., client_id: _Optional[str] = ..., release_lease: _Optional[int] = ..., release_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchGetReplicasReply(_message.Message):
-    __slots__ = ("objects", "lease_s")
+    __slots__ = ("objects", "lease_s", "lease_id", "later_keys")
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LATER_KEYS_FIELD_NUMBER: _ClassVar[int]
     objects: _containers.RepeatedCompositeFieldContainer[ObjectReplicas]
     lease_s: float
-    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectReplicas, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    lease_id: int
+    later_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectReplicas, _Mapping]]] = ..., lease_s: _Optional[float] = ..., lease_id: _Optional[int] = ..., later_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ExistRequest(_message.Message):
     __slots__ = ("key",)
@@ -362,17 +384,21 @@ class TasksRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class TierTask(_message.Message):
-    __slots__ = ("task_id", "kind", "key", "size", "checksum", "src_segment", "src_offset", "dst_segment", "dst_offset")
+    __slots__ = ("task_id", "kind", "key", "size", "checksum", "src_segment", "src_offset", "dst_segment", "dst_offset", "journal")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[TierTask.Kind]
         KIND_DEMOTE: _ClassVar[TierTask.Kind]
         KIND_PROMOTE: _ClassVar[TierTask.Kind]
         KIND_DELETE: _ClassVar[TierTask.Kind]
+        KIND_PERSIST: _ClassVar[TierTask.Kind]
+        KIND_JOURNAL: _ClassVar[TierTask.Kind]
     KIND_UNSPECIFIED: TierTask.Kind
     KIND_DEMOTE: TierTask.Kind
     KIND_PROMOTE: TierTask.Kind
     KIND_DELETE: TierTask.Kind
+    KIND_PERSIST: TierTask.Kind
+    KIND_JOURNAL: TierTask.Kind
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +408,7 @@ class TierTask(_message.Message):
     SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     DST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     kind: TierTask.Kind
     key: str
@@ -391,7 +418,20 @@ class TierTask(_message.Message):
     src_offset: int
     dst_segment: str
     dst_offset: int
-    def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TierTask.Kind, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[str] = ..., dst_offset: _Optional[int] = ...) -> None: ...
+    journal: _containers.RepeatedCompositeFieldContainer[JournalEntry]
+    def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TierTask.Kind, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[str] = ..., dst_offset: _Optional[int] = ..., journal: _Optional[_Iterable[_Union[JournalEntry, _Mapping]]] = ...) -> None: ...
+
+class JournalEntry(_message.Message):
+    __slots__ = ("key", "offset", "size", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    size: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
     __slots__ = ("task_id", "ok", "error")

@@ -1,10 +1,11 @@
 """A prefill instance's use of the Mooncake Store as a second-level prefix cache.
 
-Before computing a prompt: find the longest chain of its block hashes in the pool and,
-when that reaches past what the local cache holds, pull those blocks into fresh KV blocks
-(the engine then computes only the rest). After computing: write each new full block
-back to the pool in the background. The conductor's prefix index learns of pool blocks
-from the store master (WatchPool), which also sees them leave; nothing is reported here.
+Before computing a prompt: read the blocks the plan pulls from the pool into fresh KV blocks
+(``fetch_into``), or, with no plan, the pool's longest chain of the prompt's block hashes when it
+reaches past what the local cache holds (``fetch_prefix``); the engine then computes only the
+rest. After computing: write each new full block back to the pool in the background, a
+replicated hot prefix with a soft pin. The conductor's prefix index learns of pool blocks from
+the store master (WatchPool), which also sees them leave; nothing is reported here.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import logging
 
 from mooncaked.engine import Engine
 from mooncaked.hashing import block_hashes
-from mooncaked.tasks import spawn
 from mooncaked.store import StoreError
+from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,7 @@ class PoolCache:
         blocks = await self.engine.call(self.engine.reserve, n * self.bs)
         if not blocks:
             return []
-        pool = self.engine.runner.kv.pool
-        try:
-            ok = await self.store.batch_get_into(keys[:n], [pool[:, :, b] for b in blocks])
-        except StoreError as e:
-            log.warning("pool read failed, computing the prompt: %s", e)
-            ok = []
-        got = next((i for i, good in enumerate(ok) if not good), len(ok))
+        got, _ = await self.fetch_into(hashes[:n], blocks)
         if got <= local:
             await self.engine.call(self.engine.unreserve, blocks)
             return []
@@ -67,19 +62,36 @@ class PoolCache:
         log.debug("pulled %d prefix blocks from the pool (local cache had %d)", got, local)
         return blocks[:got]
 
-    def write_back(self, prompt: list[int], block_table: list[int], skip: int) -> None:
-        """Copy the prompt's full blocks (past the first ``skip``, which came from the pool) and
-        put them in the background. Call while the blocks are still held."""
+    async def fetch_into(self, hashes: list[int], blocks: list[int]) -> tuple[int, str]:
+        """Read the pool's objects of these chained blocks into ``blocks`` (engine KV blocks the caller
+        holds): how many leading ones arrived, and why the rest did not ("" when all did)."""
+        pool = self.engine.runner.kv.pool
+        try:
+            ok = await self.store.batch_get_into(self.keys(hashes), [pool[:, :, b] for b in blocks])
+        except StoreError as e:
+            log.warning("pool read of %d blocks failed, computing them: %s", len(hashes), e)
+            return 0, "pool_failed"
+        got = next((i for i, good in enumerate(ok) if not good), len(ok))
+        return got, "" if got == len(hashes) else "pool_missing"
+
+    def write_back(self, prompt: list[int], block_table: list[int], skip: int, pinned: int = 0) -> None:
+        """Copy the prompt's full blocks and put them in the background: all but the first ``skip``
+        (which came from the pool); the first ``pinned`` with a soft pin (a replicated hot prefix, evicted
+        last). Call while the blocks are still held."""
         hashes = block_hashes(prompt, self.bs, self.seed)
         pool = self.engine.runner.kv.pool
-        items = [(key, pool[:, :, block_table[j]].clone()) for j, key in enumerate(self.keys(hashes)) if j >= skip]
-        if items:
-            spawn(self._put(items), "pool-write-back")
+        keys = self.keys(hashes)
+        soft = [(keys[j], pool[:, :, block_table[j]].clone()) for j in range(skip, min(pinned, len(keys)))]
+        rest = [(keys[j], pool[:, :, block_table[j]].clone()) for j in range(max(skip, pinned), len(keys))]
+        if soft:
+            spawn(self._put(soft, soft_pin=True), "pool-replicate")
+        if rest:
+            spawn(self._put(rest), "pool-write-back")
 
-    async def _put(self, items) -> None:
+    async def _put(self, items, soft_pin: bool = False) -> None:
         async with self._writing:
             try:
-                ok = await self.store.batch_put(items)
+                ok = await self.store.batch_put(items, soft_pin=soft_pin)
             except StoreError as e:
                 log.warning("pool write-back of %d blocks failed: %s", len(items), e)
                 return

@@ -1,0 +1,194 @@
+"""How the conductor's core talks to one engine instance: reserve, prefill, decode, abort, lend.
+
+Plain dataclasses in and out and one error type, ``EngineError(kind, detail)``: the core decides
+on kinds, never on a transport's codes. ``grpc_engine.GrpcEngineLink`` is the implementation the
+daemon uses; ``instance.local_link.LocalEngineLink`` reaches an instance in this process (tests).
+A link is owned by the registry's ``Instance`` and closed when that instance is replaced or the
+conductor stops. Prefill instances use the same interface to reach a peer that lends them KV.
+These dataclasses and ``EngineError`` are also what the instance logic (``mooncaked/instance/``)
+takes, returns and raises, so the wire is a mapping on both sides.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from mooncaked.engine import SamplingParams
+from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.engine.outputs import TopLogprobs
+
+# EngineError kinds
+UNAVAILABLE = "unavailable"  # the instance is gone, draining, or its engine stopped: try another
+DEADLINE = "deadline"  # the call's deadline passed
+EXHAUSTED = "exhausted"  # no room now (a decode's KV blocks): wait, or try another
+CANCELLED = "cancelled"  # the call (or the request, by an Abort that overtook it) was cancelled
+OUT_OF_RANGE = "out_of_range"  # can never fit on this instance
+ABORTED = "aborted"  # the prefill's KV push to the decode instance failed: the decode is at fault
+NOT_FOUND = "not_found"  # no such request (a reservation that expired or was taken)
+INVALID = "invalid"  # the engine refused the request as malformed
+PRECONDITION = "precondition"  # the instances do not fit together (KV layouts differ, wrong role)
+INTERNAL = "internal"  # the engine failed this request alone; a retry would fail alike
+KINDS = (UNAVAILABLE, DEADLINE, EXHAUSTED, CANCELLED, OUT_OF_RANGE, ABORTED, NOT_FOUND, INVALID, PRECONDITION,
+         INTERNAL)
+
+POOL = "pool"  # PrefillPlan.pull_from / PrefillResult.pulled_from: the Mooncake Store
+
+# instance states as engines report them
+STARTING, SERVING, DRAINING, DEAD = "starting", "serving", "draining", "dead"
+
+
+class EngineError(Exception):
+    """A call to an engine failed: ``kind`` (one of ``KINDS``) says how, ``detail`` is the engine's message."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class TransferEndpoint:
+    """Where a peer reaches an instance's KV region on the data plane (transfer/)."""
+
+    address: str = ""
+    backend: str = ""  # "tcp" | "shm" | "rdma"
+    region: str = ""
+    same_host_id: str = ""
+    shm_name: str = ""
+
+
+@dataclass
+class Reservation:
+    """KV blocks a decode instance holds for a prompt until the prefill wrote them and Decode takes them."""
+
+    block_ids: list[int]
+    endpoint: TransferEndpoint
+    layout: KVLayout
+    ttl_s: float = 0.0  # given back unless renewed within this long (0: never expires)
+
+
+@dataclass
+class PrefillPlan:
+    """What the scheduler decided the prefill does with cached KV, carried by each prefill call.
+
+    Take the prompt's first ``reuse_blocks`` blocks from the instance's own prefix cache and the
+    next ``pull_blocks`` from ``pull_from``: ``"pool"`` (the Mooncake Store) or a peer instance's
+    name, whose KV cache is read directly over the transfer engine after it lends the blocks
+    (its Engine at ``pull_address``). ``replicate`` (a hot prefix): keep the pulled blocks and
+    hold the prefix in the pool with a soft pin. A block the prefill cannot get this way is
+    computed and counted as a deviation (``PrefillResult.deviations``). ``pool_fallback``: the
+    conductor does not follow the pool (it has no store master), so when the plan pulls nothing
+    the prefill may still take the pool's longer run on its own, as it does without a plan."""
+
+    reuse_blocks: int = 0
+    pull_from: str = ""  # "" | POOL | a peer instance's name
+    pull_blocks: int = 0
+    pull_address: str = ""
+    replicate: bool = False
+    pool_fallback: bool = False
+
+    @property
+    def pulls_from_peer(self) -> bool:
+        return bool(self.pull_blocks and self.pull_from and self.pull_from != POOL)
+
+
+@dataclass
+class PrefillResult:
+    """The first token and the "KV complete" signal, with what it cost."""
+
+    first_token_id: int
+    first_logprob: float = 0.0
+    first_top_logprobs: TopLogprobs | None = None
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    finished: bool = False  # the first token already ends the request
+    finish_reason: str = ""
+    compute_s: float = 0.0  # engine step time spent on this prompt
+    push_bytes: int = 0  # KV bytes pushed to the decode instance
+    push_s: float = 0.0  # first push to last byte acknowledged
+    # what it did with the prompt's leading blocks (its plan, or its own choice without one)
+    local_blocks: int = 0  # from its own prefix cache
+    pulled_blocks: int = 0  # read from ``pulled_from``
+    pulled_from: str = ""  # POOL, a peer instance's name, or "" (nothing pulled)
+    replicated: bool = False  # the prefix went to the pool with a soft pin
+    deviations: dict[str, int] = field(default_factory=dict)  # planned blocks computed instead, by reason
+
+
+@dataclass
+class TokenChunk:
+    """Tokens a decode instance produced since its last chunk; ``finish_reason`` on the last."""
+
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+
+
+@dataclass
+class Loan:
+    """Cached blocks an instance lends a peer: pinned until released or ``lease_s`` has passed. The
+    leading run of the hashes asked for that it holds (possibly none), in chain order, and where the
+    peer reads them (its KV region on the transfer engine, in ``layout``)."""
+
+    loan_id: str
+    block_ids: list[int]
+    endpoint: TransferEndpoint
+    layout: KVLayout
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    """``found``: the request was known; ``ended``: it has stopped (on a prefill: its KV pushes too)."""
+
+    found: bool
+    ended: bool
+
+
+class EngineLink(abc.ABC):
+    """One engine instance, as the conductor uses it. Every call has a timeout; failures raise
+    ``EngineError``. Cancelling a call (its task) stops it on the engine's side as far as the
+    transport can."""
+
+    @abc.abstractmethod
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                      timeout_s: float) -> Reservation:
+        """Decode: hold KV blocks for the prompt (EXHAUSTED: no room now; OUT_OF_RANGE: never)."""
+
+    @abc.abstractmethod
+    async def renew(self, request_id: str, timeout_s: float) -> float | None:
+        """Decode: keep a reservation another TTL; its TTL, or None when it is gone."""
+
+    @abc.abstractmethod
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None) -> PrefillResult:
+        """Prefill: compute the prompt, write its KV into ``target`` (a decode's reservation), sample
+        the first token. ABORTED: writing the KV to the decode failed."""
+
+    @abc.abstractmethod
+    def decode(self, request_id: str, first: PrefillResult, timeout_s: float) -> AsyncIterator[TokenChunk]:
+        """Decode: take the reserved, prefilled request into the batch and stream its tokens.
+        Closing the iterator early stops the request and frees its blocks."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str, timeout_s: float) -> AbortResult:
+        """Either: stop a request wherever it is; remembered, so a later reserve/prefill of it is refused."""
+
+    @abc.abstractmethod
+    async def lend(self, block_hashes: list[int], lease_s: float, timeout_s: float, borrower: str = "") -> Loan:
+        """Either: pin the cached blocks of this hash chain's leading run for a peer to read."""
+
+    @abc.abstractmethod
+    async def release(self, loan_id: str, timeout_s: float) -> bool:
+        """Either: the peer has read a loan's blocks; whether it was still held."""
+
+    @abc.abstractmethod
+    async def drain(self, drain: bool, timeout_s: float) -> str:
+        """Either: stop (or resume) taking new work; the instance's state after it."""
+
+    @abc.abstractmethod
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Let calls in flight end for up to ``grace_s``, then drop the connection."""

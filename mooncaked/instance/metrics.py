@@ -1,0 +1,33 @@
+"""Prometheus series of an engine instance: how prefills follow the conductor's plan.
+
+A plan names where a prompt's leading blocks come from (own cache, the pool, a peer's KV
+cache); what the prefill could not get that way it computes, and counts here by reason, so an
+operator sees when the cluster does less than its scheduler decided. Declared once, in this
+module (prometheus-client keeps one process-wide registry).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+PLAN_DEVIATIONS = Counter(
+    "mooncaked_plan_deviations",
+    "Prompt blocks a prefill's plan said to reuse or pull that it computed instead, by reason: local_evicted "
+    "(no longer in its own cache), no_room (no free KV blocks to pull into), no_pool (no KV pool joined), "
+    "pool_missing / pool_failed, peer_unknown / peer_unavailable (the lender could not be asked), peer_missing "
+    "(the lender no longer held them), peer_layout, peer_read_failed (the read from the lender failed).",
+    ["reason"])
+PLAN_BLOCKS = Counter("mooncaked_plan_blocks",
+                      "Prompt blocks a prefill took instead of computing, by source (local, pool, peer).",
+                      ["source"])
+LENT_BLOCKS = Counter("mooncaked_lent_blocks", "Cached KV blocks this instance lent peers to read.")
+
+
+def deviated(deviations: dict[str, int]) -> None:
+    for reason, blocks in deviations.items():
+        if blocks:
+            PLAN_DEVIATIONS.labels(reason).inc(blocks)

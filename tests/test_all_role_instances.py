@@ -1,0 +1,71 @@
+"""`mooncaked --role all --prefill-instances 2 --decode-instances 2`: a bigger embedded cluster on one
+machine, each engine a process of its own (its own ports and name), ready only once all four serve."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from cluster import free_port
+from mooncaked.config import AllConfig, DecodeConfig, PrefillConfig
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from mooncaked.roles.all_role import child_configs
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
+    cfg = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path))
+    children = child_configs(cfg)
+    assert [c.role for c in children] == ["conductor", "store", "prefill", "prefill", "prefill", "decode", "decode"]
+    engines = [c for c in children if isinstance(c, (PrefillConfig, DecodeConfig))]
+    assert all(c.listen.port == 0 and c.transfer_listen.port == 0 and not c.name for c in engines)
+    assert sorted(os.path.basename(c.store_lmdb_path) for c in engines) == \
+        ["decode", "decode-1", "prefill", "prefill-1", "prefill-2"]
+    assert all(c.store_dram_bytes > 0 for c in engines if c.role == "prefill")
+
+
+def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_path):
+    _, folder = tiny_model_factory("llama")
+    conductor = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
+    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3",
+               MOONCAKED_STORE_DRAM_BYTES="4MiB")
+    log_path = tmp_path / "all.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
+                             "--listen", conductor, "--http", "127.0.0.1:0", "--prefill-instances", "2",
+                             "--decode-instances", "2"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"mooncaked all: cluster ready", log_path.read_text()):
+            assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        with grpc.insecure_channel(conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            st = stub.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=10)
+            assert sorted(i.role for i in st.instances) == [common_pb2.ROLE_PREFILL] * 2 + [common_pb2.ROLE_DECODE] * 2
+            assert all(i.state == common_pb2.INSTANCE_STATE_SERVING for i in st.instances)
+            assert len({i.name for i in st.instances}) == 4 and len({i.address for i in st.instances}) == 4
+            req = conductor_pb2.GenerateRequest(prompt="t1 t2 t3 t4 t5", raw=True,
+                                                sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            chunks = list(stub.Generate(req, timeout=120))
+        assert sum(len(c.token_ids) for c in chunks) == 4
+        assert chunks[0].prefill_instance in {i.name for i in st.instances}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+    except BaseException:
+        log.flush()
+        print("--- the `all` process's log (tail) ---\n" + log_path.read_text()[-6000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
