@@ -95,7 +95,7 @@ class Etcd:
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[Etcd]:
     if ETCD is None:
-        pytest.skip("etcd is not installed (Debian: apt-get install etcd-server; .ci/setup installs it)")
+        pytest.fail("etcd is not installed (Debian: apt-get install etcd-server; .ci/setup installs it)")
     server = Etcd(tmp_path / "etcd-data", tmp_path / "etcd.log").start()
     try:
         yield server
