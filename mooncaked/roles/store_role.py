@@ -84,5 +84,6 @@ def start_campaign(runner: MasterRunner, etcd_endpoints: list[str], security: Se
 
     service.name = name
     etcd = EtcdGateway(etcd_endpoints, security)
-    leadership = Leadership(etcd, service.gate, info, service.forget, prefix=prefix, ttl_s=ttl_s)
+    leadership = Leadership(etcd, service.gate, info, service.forget, prefix=prefix, ttl_s=ttl_s,
+                            on_lead=service.took_over)
     return leadership, spawn(leadership.run(), "store-leadership")

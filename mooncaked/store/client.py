@@ -37,7 +37,7 @@ from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUna
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
-from mooncaked.store.records import checksum
+from mooncaked.store.records import PLACE_USE_S, checksum
 from mooncaked.store.tier_worker import TierWorker
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp, host_id
 
@@ -197,19 +197,26 @@ class StoreClient:
                     pass
 
     async def _evacuate(self, timeout_s: float) -> None:
-        try:
-            before = self.worker.done
-            reply = await self._call("EvacuateSegment", self.stub.EvacuateSegment,
-                                     store_pb2.EvacuateSegmentRequest(client_id=self.config.client_id,
-                                                                      segment=self.dram_segment))
-        except StoreError as e:
-            logger.warning("could not move DRAM objects to LMDB before stopping: %s", e)
-            return
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.worker.done - before < reply.demotions and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
-        logger.info("store client %s: %d DRAM objects moved to LMDB before stopping (%d left for want of room)",
-                    self.config.client_id, min(reply.demotions, self.worker.done - before), reply.left)
+        """Ask the master to demote what only our DRAM holds, and wait until it says nothing is left in
+        flight: a move it ordered may still be on the Tasks stream, so our own count of finished tasks
+        cannot tell when all have landed (and a premature stop would lose them)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        request = store_pb2.EvacuateSegmentRequest(client_id=self.config.client_id, segment=self.dram_segment)
+        ordered, reply = 0, None
+        while True:
+            try:
+                reply = await self._call("EvacuateSegment", self.stub.EvacuateSegment, request)
+            except StoreError as e:
+                logger.warning("could not move DRAM objects to LMDB before stopping: %s", e)
+                return
+            ordered = max(ordered, reply.demotions)
+            if reply.demotions == 0 or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        logger.info("store client %s: DRAM objects moved to LMDB before stopping (%d moves ordered, %d still in "
+                    "flight at the stop, %d left for want of room)", self.config.client_id, ordered,
+                    reply.demotions, reply.left)
 
     async def _call(self, what: str, fn: Callable[..., Awaitable[T]], request) -> T:
         """One metadata call: on the fast path when the master offers it, else (or while it is down) gRPC."""
@@ -332,7 +339,7 @@ class StoreClient:
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
-        self._hints.note(key, place.replicas[0], size)
+        self._committed(key, place.replicas, size, csum)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
         return True
@@ -372,7 +379,7 @@ class StoreClient:
     def _stock(self, shape: Shape, reply: store_pb2.ReservePlacesReply) -> list[Place]:
         """The places of a ReservePlaces reply, usable for half the master's timeout."""
         self._places.follow(reply.master_epoch)
-        use_by = asyncio.get_running_loop().time() + reply.timeout_s / 2
+        use_by = asyncio.get_running_loop().time() + min(reply.timeout_s / 2, PLACE_USE_S)
         return [Place(r.id, list(r.replicas), use_by) for r in reply.reservations]
 
     def _refill_soon(self, shape: Shape) -> None:
@@ -466,14 +473,23 @@ class StoreClient:
                 good = []
             for i in good:
                 ok[i] = True
-                dram = next((r for r in reply.items[i].replicas if r.medium != "lmdb"), None)
-                if dram is not None:
-                    self._hints.note(items[i][0], dram, sizes[i])
+                self._committed(items[i][0], reply.items[i].replicas, sizes[i], sums[i])
         for i, good_one in enumerate(ok):
             metrics.client_op("put", "ok" if good_one else "no_room" if i not in bad else "failed").inc()
             if good_one and i in writing:
                 metrics.client_bytes("put").inc(sizes[i])
         return ok
+
+    def _committed(self, key: str, replicas: Sequence[store_pb2.Replica], size: int, csum: int) -> None:
+        """A put of ours is in the pool: note where its DRAM copy is (a location hint), and journal a
+        copy on our own DRAM at once. The master's journal batch for it comes up to JOURNAL_FLUSH_S
+        later; a master lost in between would otherwise forget an object it had committed."""
+        dram = next((r for r in replicas if r.medium != "lmdb"), None)
+        if dram is not None:
+            self._hints.note(key, dram, size)
+        for r in replicas:
+            if r.segment == self.dram_segment and self.dram is not None:
+                self.journal.note(key, r.offset, size, csum)
 
     async def _write_placed(self, reply: store_pb2.BatchPutStartReply, writing: list[int],
                             items: Sequence[tuple[str, Data]], offsets: list[int], sizes: list[int],

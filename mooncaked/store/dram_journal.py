@@ -40,24 +40,29 @@ class DramJournal:
 
     def apply(self, entries: Iterable[store_pb2.JournalEntry]) -> None:
         """Take a batch from the master, in its order."""
-        at, where = self._at, self._where
         for e in entries:
             self.applied += 1
             if e.size:
-                old = at.get(e.offset)
-                if old is not None and old.key != e.key and where.get(old.key) == e.offset:
-                    del where[old.key]
-                prev = where.get(e.key)
-                if prev is not None and prev != e.offset:
-                    del at[prev]
-                at[e.offset] = Held(e.key, e.size, e.checksum)
-                where[e.key] = e.offset
+                self.note(e.key, e.offset, e.size, e.checksum)
             else:
-                held = at.get(e.offset)
+                held = self._at.get(e.offset)
                 if held is not None and held.key == e.key:
-                    del at[e.offset]
-                    if where.get(e.key) == e.offset:
-                        del where[e.key]
+                    del self._at[e.offset]
+                    if self._where.get(e.key) == e.offset:
+                        del self._where[e.key]
+
+    def note(self, key: str, offset: int, size: int, checksum: int) -> None:
+        """An object now at `offset`: from the master's journal, or written here by this client itself
+        and committed (so a master lost before its journal batch came still gets it back)."""
+        at, where = self._at, self._where
+        old = at.get(offset)
+        if old is not None and old.key != key and where.get(old.key) == offset:
+            del where[old.key]
+        prev = where.get(key)
+        if prev is not None and prev != offset:
+            del at[prev]
+        at[offset] = Held(key, size, checksum)
+        where[key] = offset
 
     def records(self, dram: memoryview) -> list[ObjectRecord]:
         """Blocking (hashes the DRAM): the entries whose bytes are intact, in offset order; the others

@@ -80,14 +80,16 @@ class Leadership:
 
     `gate`: what the master serves (moved between leader and standby here); `info()`: what
     to publish now (its epoch changes when it forgets); `forget()`: drop every object and
-    client and end every stream (a deposed leader's metadata is stale)."""
+    client and end every stream (a deposed leader's metadata is stale); `on_lead()`: called as it
+    starts to lead (the master holds back fresh DRAM places for a moment: StoreMaster.hold_dram_places)."""
 
     def __init__(self, etcd: EtcdGateway, gate: Gate, info: Callable[[], MasterInfo], forget: Callable[[], None],
-                 prefix: str = DEFAULT_PREFIX, ttl_s: int = 2) -> None:
+                 prefix: str = DEFAULT_PREFIX, ttl_s: int = 2, on_lead: Callable[[], None] = lambda: None) -> None:
         self.etcd = etcd
         self.gate = gate
         self._info = info
         self._forget = forget
+        self._on_lead = on_lead
         self.prefix = prefix
         self.ttl_s = ttl_s
         self._lease = 0
@@ -196,6 +198,7 @@ class Leadership:
     # -- leading ---------------------------------------------------------------------------------------
     async def _lead(self, me: MasterInfo) -> None:
         margin = fence_margin(self._ttl)
+        self._on_lead()
         self.gate.lead(me.address, self._alive_from + self._ttl - margin)
         self.leading = True
         self.leader = me

@@ -39,7 +39,7 @@ from mooncaked.store.decisions import (
 )
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
 from mooncaked.store.records import (
-    MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
+    FRESH_DRAM_HOLD_S, MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
     PromotionPending, PutPlan, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
 )
 
@@ -70,6 +70,13 @@ class StoreMaster:
         self._reservation_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
         self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
+        self.fresh_dram_from = 0.0  # clock(): no new DRAM place before (hold_dram_places)
+
+    def hold_dram_places(self, seconds: float = FRESH_DRAM_HOLD_S) -> None:
+        """Place nothing new on DRAM for `seconds`: a leader that just took over does not know which
+        places its predecessor reserved (records.PLACE_USE_S), and a late write into one must not
+        land on a new object's bytes."""
+        self.fresh_dram_from = self.clock() + seconds
 
     # -- segments and clients ----------------------------------------------------------------
     def mount(self, client_id: str, spec: SegmentSpec,
@@ -207,8 +214,10 @@ class StoreMaster:
         if not drams:
             raise NoRoom("no DRAM segment is mounted: start an engine with --store-dram-bytes")
         cat = self.catalog
-        placed = self._places(placement.place(cat, drams, size, min(replicas or self.policy.replicas, len(drams)),
-                                              pref, make_room and not ahead, evict=not ahead))
+        placed: list[Placed] = []
+        if self.clock() >= self.fresh_dram_from:
+            placed = self._places(placement.place(cat, drams, size, min(replicas or self.policy.replicas, len(drams)),
+                                                  pref, make_room and not ahead, evict=not ahead))
         if not placed and writer and not ahead:
             own = cat.tier_of(writer, "dram")  # a read promotes it there: it must fit
             if own is not None and size <= own.capacity:
@@ -340,6 +349,9 @@ class StoreMaster:
                   if r.complete and self.segments[r.segment].medium == "dram"]
         if not placed:
             if not obj.promotion:  # else: join the one in flight
+                if now < self.fresh_dram_from:
+                    raise NoRoom(f"{obj.key!r} is on LMDB only, and this master, which just took over, places "
+                                 f"nothing on DRAM for {self.fresh_dram_from - now:.1f}s more; retry shortly")
                 self._run(tiering.promote(self.catalog, obj))
             return PromotionPending(obj.promotion)
         self.catalog.lend(obj, lease, now, count)

@@ -23,6 +23,12 @@ TaskKind = Literal["demote", "promote", "delete", "persist"]
 PoolEventKind = Literal["stored", "removed"]  # what pool watchers hear (service WatchPool)
 MAX_KEY_BYTES = 1024
 RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a NUL never starts a real key)
+# A client writes into a place reserved ahead only this long after the master answered. A new
+# leader (or a restarted master) does not know the places its predecessor handed out, so for
+# FRESH_DRAM_HOLD_S after it takes over it places nothing new on DRAM: a late write into an old
+# place can then never land on a new object's bytes (puts meanwhile go to the writer's LMDB tier).
+PLACE_USE_S = 0.5
+FRESH_DRAM_HOLD_S = PLACE_USE_S + 0.5  # + what a write begun at the last moment takes to land
 
 
 def checksum(data: object) -> int:

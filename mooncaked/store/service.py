@@ -152,6 +152,10 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
             q.put_nowait(None)
         self.pool_events.close()
 
+    def took_over(self) -> None:
+        """This master starts to lead (leadership.py): hold back fresh DRAM places for a moment."""
+        self.master.hold_dram_places()
+
     def forget(self) -> None:
         """Drop every object, client and stream and take a new epoch: what a deposed leader does
         (leadership.py), its metadata being stale once another master may have led."""
