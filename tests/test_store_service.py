@@ -12,7 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 from store_helpers import client, start
 
-from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc, transfer_pb2
+from mooncaked.proto.mooncake.v1 import common_pb2, store_pb2, store_pb2_grpc, transfer_pb2
 from mooncaked.store import checksum
 
 KiB = 1024
@@ -273,4 +273,35 @@ async def test_a_client_whose_first_start_failed_starts_on_a_later_try():
         assert await c.put("e/1", data) and await c.get("e/1") == data
     finally:
         await c.close()
+        await runner.stop()
+
+
+async def test_a_client_that_never_reads_its_tasks_stream_is_dropped_not_buffered_forever():
+    """The master queues each DRAM owner's journal (and tier tasks) for its Tasks stream. A client that
+    mounts a segment and never reads that stream must not grow the master's memory without bound:
+    past the cap it is dropped like a silent one, and everyone else is served on."""
+    runner, addr = await start()
+    runner.service.max_queued_tasks = 3
+    writer = await client(addr, "writer", dram_bytes=256 * KiB)
+    try:
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = store_pb2_grpc.StoreMasterStub(ch)
+            seg = transfer_pb2.SegmentInfo(name="silent/dram", medium="dram", nbytes=256 * KiB,
+                                           endpoint=common_pb2.TransferEndpoint(address="127.0.0.1:9", backend="tcp",
+                                                                                region="dram"))
+            await stub.MountSegment(store_pb2.MountSegmentRequest(client_id="silent", segment=seg), timeout=5)
+            for i in range(20):  # each commit on its segment journals to it; one message per flush
+                placed = await stub.PutStart(store_pb2.PutStartRequest(key=f"j/{i}", size=64,
+                                                                       preferred_segment="silent/dram"), timeout=5)
+                assert placed.replicas[0].segment == "silent/dram"
+                await stub.PutEnd(store_pb2.PutEndRequest(key=f"j/{i}", checksum=1), timeout=5)
+                await asyncio.sleep(0.03)  # past the journal's flush: a message each
+                if "silent" not in runner.service.master.clients:
+                    break
+            assert "silent" not in runner.service.master.clients, "the client that never read was not dropped"
+            assert "silent/dram" not in runner.service.master.segments
+            assert await writer.put("after", os.urandom(4 * KiB)), "the master stopped serving others"
+            assert await writer.get("after") is not None
+    finally:
+        await writer.close()
         await runner.stop()

@@ -215,12 +215,14 @@ async def failover_bench(failovers: int, ttl_s: int, warm_s: float, workdir: Pat
         streams = [Stream(c, c.config.client_id) for c in clients]
         running = [asyncio.create_task(s.run()) for s in streams]
         rows = []
+        kills: list[float] = []
         for _ in range(failovers):
             await asyncio.sleep(warm_s)
             leader = etcd.leader_name()
             other = next(n for n in masters.procs if n != leader)
             before = [k for s in streams for k in s.committed]
             killed = time.monotonic()
+            kills.append(killed)
             masters.kill(leader)
             while etcd.leader_name() != other:
                 await asyncio.sleep(0.01)
@@ -242,7 +244,16 @@ async def failover_bench(failovers: int, ttl_s: int, warm_s: float, workdir: Pat
         for s in streams:
             keys = list(s.committed)
             got = await s.client.batch_get(keys)
-            lost += sum(1 for k, g in zip(keys, got) if g != s.committed[k])
+            missing = [k for k, g in zip(keys, got) if g != s.committed[k]]
+            lost += len(missing)
+            if missing:  # what a reader of the figures needs to find the cause
+                known = await s.client.batch_exist(missing)
+                done_at = dict(zip(keys, (d for _, d in s.commit_times)))
+                for k, k_known in zip(missing, known):
+                    near = min(kills, key=lambda t: abs(done_at.get(k, t) - t))
+                    print(f"lost {k}: committed {done_at.get(k, near) - near:+.3f}s from a kill; the master "
+                          f"{'knows it (bytes wrong or unreadable)' if k_known else 'does not know it'}",
+                          file=sys.stderr)
         return {"failovers": len(rows), "etcd_lease_ttl_s": ttl_s, "clients": len(clients),
                 "reserve_ahead": reserve_ahead,
                 "object_bytes": OBJECT_BYTES,

@@ -39,6 +39,10 @@ TICK_S = 0.1
 JOURNAL_FLUSH_S = 0.01
 """Journal entries (what was committed to a client's DRAM) go out batched this long after the first."""
 MAX_JOURNAL_ENTRIES = 4096  # per message (~200 KB)
+# Messages queued for one client's Tasks stream before the master gives up on it: a client that
+# stopped reading (hung, or hostile) would otherwise grow the master's memory without bound. At the
+# journal's pace (one message per JOURNAL_FLUSH_S while it is written to) this is minutes of silence.
+MAX_QUEUED_TASKS = 20_000
 
 
 def _rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,6 +94,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self._journal: dict[str, list[tuple[str, int, int, int]]] = {}  # client -> entries not sent yet
         self._journal_timer: asyncio.TimerHandle | None = None
         self._promotions: dict[int, asyncio.Future[bool]] = {}
+        self.max_queued_tasks = MAX_QUEUED_TASKS
         self.fast_path_port = 0  # set by MasterRunner once the fast path listens
         self.fast_path_unix = ""  # and its Unix socket, for clients on this host
         self.pool_events = PoolEventHub(self.master)
@@ -97,7 +102,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     # -- hooks of the state machine ------------------------------------------------------------
     def send_task(self, task: Task) -> None:
         if task.client_id in self.master.clients:  # a dead client's LMDB is cleaned at its remount
-            self._queue(task.client_id).put_nowait(task)
+            self._enqueue(task.client_id, task)
 
     def promotion_settled(self, task_id: int, ok: bool) -> None:
         fut = self._promotions.pop(task_id, None)
@@ -131,9 +136,19 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         for client_id, entries in pending.items():
             if client_id not in self.master.clients:
                 continue  # dropped: it remounts with what its own journal holds
-            q = self._queue(client_id)
             for start in range(0, len(entries), MAX_JOURNAL_ENTRIES):
-                q.put_nowait(convert.journal_to_proto(entries[start:start + MAX_JOURNAL_ENTRIES]))
+                self._enqueue(client_id, convert.journal_to_proto(entries[start:start + MAX_JOURNAL_ENTRIES]))
+
+    def _enqueue(self, client_id: str, item: Task | store_pb2.TierTask) -> None:
+        """Queue for a client's Tasks stream; a client that has left MAX_QUEUED_TASKS unread is dropped
+        (its segments unmounted, as for one that stopped pinging: it remounts when it comes back)."""
+        q = self._queue(client_id)
+        if q.qsize() < self.max_queued_tasks:
+            q.put_nowait(item)
+        elif q.qsize() == self.max_queued_tasks:  # once: dropped after the decision being applied is done
+            q.put_nowait(item)
+            why = f"{self.max_queued_tasks} messages on its Tasks stream left unread"
+            asyncio.get_running_loop().call_soon(self.master.drop_client, client_id, why)
 
     def _queue(self, client_id: str) -> asyncio.Queue[Task | store_pb2.TierTask | None]:
         q = self._queues.get(client_id)
