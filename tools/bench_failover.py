@@ -273,8 +273,9 @@ async def failover_bench(failovers: int, ttl_s: int, warm_s: float, workdir: Pat
 
 
 # -- bench_store's rows with HA on ----------------------------------------------------------------
-def _ha_row(n: int, size: int, batch: int, workdir: Path, ttl_s: int) -> dict[str, Any]:
-    """bench_store's 'ours' row (TCP, fast path) with the clients following etcd:// and the leader fencing."""
+def _ha_row(n: int, size: int, batch: int, workdir: Path, ttl_s: int, backend: str = "tcp") -> dict[str, Any]:
+    """bench_store's 'ours' row (fast path; `backend` tcp, or auto: shared memory on one host) with the
+    clients following etcd:// and the leader fencing."""
     import bench_store
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -288,14 +289,14 @@ def _ha_row(n: int, size: int, batch: int, workdir: Path, ttl_s: int) -> dict[st
         target = f"etcd://{etcd.endpoint}"
         owner_pipe, child = bench_store.CTX.Pipe()
         owner = bench_store.CTX.Process(target=bench_store._our_owner,
-                                        args=(child, target, int(n * size * 2.4) + 64 * bench_store.MiB, "tcp", ""),
+                                        args=(child, target, int(n * size * 2.4) + 64 * bench_store.MiB, backend, ""),
                                         daemon=True)
         owner.start()
         if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
             raise RuntimeError("the owner process did not start")
         driver_pipe, child = bench_store.CTX.Pipe()
         driver = bench_store.CTX.Process(target=bench_store._our_driver,
-                                         args=(child, target, n, size, batch, "tcp", True, ""), daemon=True)
+                                         args=(child, target, n, size, batch, backend, True, ""), daemon=True)
         driver.start()
         if not driver_pipe.poll(300):
             raise RuntimeError("the driver did not finish")
@@ -311,7 +312,7 @@ def _ha_row(n: int, size: int, batch: int, workdir: Path, ttl_s: int) -> dict[st
         etcd.stop()
 
 
-def store_bench(quick: bool, ttl_s: int, workdir: Path) -> dict[str, Any]:
+def store_bench(quick: bool, ttl_s: int, workdir: Path, backend: str = "tcp") -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "tools"))
     import bench_store
 
@@ -319,14 +320,14 @@ def store_bench(quick: bool, ttl_s: int, workdir: Path) -> dict[str, Any]:
     why = bench_store.mooncake_unavailable()
     runs: dict[str, list[dict[str, Any]]] = {"ours_ha": [], "ours": [], "mooncake": []}
     for rep in range(reps):
-        runs["ours_ha"].append(_ha_row(n, size, batch, workdir / f"store-bench-{rep}", ttl_s))
-        runs["ours"].append(bench_store.bench_ours(n, size, batch, "tcp", True))
+        runs["ours_ha"].append(_ha_row(n, size, batch, workdir / f"store-bench-{rep}", ttl_s, backend))
+        runs["ours"].append(bench_store.bench_ours(n, size, batch, backend, True))
         if why is None:
             try:
                 runs["mooncake"].append(bench_store.bench_mooncake(n, size, batch))
             except Exception as e:  # noqa: BLE001 - the baseline failing must not hide our figures
                 why = f"{type(e).__name__}: {e}"
-    out: dict[str, Any] = {"objects": n, "object_bytes": size, "batch": batch, "reps": reps,
+    out: dict[str, Any] = {"backend": backend, "objects": n, "object_bytes": size, "batch": batch, "reps": reps,
                            "ours_ha": bench_store.best(runs["ours_ha"]), "ours": bench_store.best(runs["ours"])}
     if runs["mooncake"] and why is None:
         mc = out["mooncake"] = bench_store.best(runs["mooncake"])
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="clients reserve no places ahead (every put is PutStart, write, PutEnd)")
     p.add_argument("--with-store-bench", action="store_true",
                    help="also bench_store's rows with HA on and off, and Mooncake's, in the same run")
+    p.add_argument("--store-bench-backend", choices=("tcp", "auto"), default="tcp",
+                   help="our rows' data plane in --with-store-bench: tcp, or auto (shared memory on one host)")
     args = p.parse_args(argv)
     failovers = max(3, args.failovers or (3 if args.quick else 5))
     workdir = Path(tempfile.mkdtemp(prefix="bench-failover-"))
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                                         reserve_ahead=not args.no_reserve_ahead))
         out["meets_aims"] = out["failover_s"]["max"] <= 3.0 and out["lost_objects"] == 0
         if args.with_store_bench:
-            out["store_bench"] = store_bench(args.quick, args.ttl, workdir)
+            out["store_bench"] = store_bench(args.quick, args.ttl, workdir, args.store_bench_backend)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.json:

@@ -37,6 +37,7 @@ from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUna
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
+from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
 from mooncaked.store.tier_worker import TierWorker
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp, host_id
@@ -123,6 +124,8 @@ class StoreClient:
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
+        self.recent_writes = RecentWrites()  # our recent puts on others' DRAM (re-reported at a leader change)
+        self._reporting: asyncio.Task | None = None
 
     @property
     def dram_segment(self) -> str:
@@ -150,15 +153,18 @@ class StoreClient:
 
             def leader_moved(_address: str) -> None:  # remount there now, and reopen the fast path there
                 self._places.forget()  # places the old leader reserved are free to the new one: never write them
+                self._master_changing()
                 if self.mounts is not None:
                     self.mounts.request_remount()
+                self._report_soon()
                 self._fast_retry_at, self._fast_backoff = 0.0, FAST_RETRY_S
                 if self._fast is not None:
                     self._fast.fail("the store master leader moved")
 
             self._link.on_change(leader_moved)
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
-                             self._lmdb_thread, self.journal)
+                             self._lmdb_thread, self.journal, remounted=self._report_soon,
+                             changing=self._master_changing)
         await self.mounts.mount_all()
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
@@ -174,9 +180,10 @@ class StoreClient:
         demoted to it (up to `evacuate_timeout_s`), so a restart on the same LMDB path brings it all back."""
         if self.lmdb is not None and self.dram is not None and self.worker is not None:
             await self._evacuate(evacuate_timeout_s)
-        for t in [*self._tasks, *self._refilling.values()]:
+        reporting = [self._reporting] if self._reporting is not None else []
+        for t in [*self._tasks, *self._refilling.values(), *reporting]:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._refilling.values(), return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._refilling.values(), *reporting, return_exceptions=True)
         await self._give_back(self._places.drain())
         if self.mounts is not None:
             await self.mounts.unmount_all()
@@ -490,6 +497,44 @@ class StoreClient:
         for r in replicas:
             if r.segment == self.dram_segment and self.dram is not None:
                 self.journal.note(key, r.offset, size, csum)
+            elif r.medium == "dram":
+                self.recent_writes.note(r.segment, key, r.offset, size, csum)
+
+    def _master_changing(self) -> None:
+        """A new master: nothing the old one ordered is carried out any more."""
+        if self.worker is not None:
+            self.worker.drop_queued()
+
+    def _report_soon(self) -> None:
+        """The master changed (a new leader, or a restart): re-report recent writes, once at a time."""
+        if len(self.recent_writes) and (self._reporting is None or self._reporting.done()):
+            self._reporting = spawn(self.report_recent_writes(), f"store-report-{self.config.client_id}")
+
+    async def report_recent_writes(self, for_s: float = KEEP_S) -> None:
+        """After a leader change: re-report our recent puts on other clients' DRAM (recent_writes.py),
+        asking again while their owners have not remounted yet, for up to `for_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + for_s
+        while loop.time() < deadline:
+            pending = self.recent_writes.by_segment()
+            if not pending:
+                return
+            for segment, writes in pending.items():
+                request = store_pb2.ReportWritesRequest(client_id=self.config.client_id, segment=segment, objects=[
+                    store_pb2.ObjectRecord(key=w.key, offset=w.offset, size=w.size, checksum=w.checksum)
+                    for w in writes])
+                try:
+                    reply = await self.stub.ReportWrites(request, timeout=self.config.rpc_timeout_s)
+                except grpc.aio.AioRpcError as e:
+                    logger.debug("store client %s: re-reporting writes on %s: %s", self.config.client_id, segment,
+                                 e.code().name)
+                    continue
+                if reply.segment_mounted:
+                    self.recent_writes.settle(segment)
+                    if reply.objects_accepted:
+                        logger.info("store client %s: the new master took %d of our recent writes on %s back",
+                                    self.config.client_id, reply.objects_accepted, segment)
+            await asyncio.sleep(0.1)
 
     async def _write_placed(self, reply: store_pb2.BatchPutStartReply, writing: list[int],
                             items: Sequence[tuple[str, Data]], offsets: list[int], sizes: list[int],

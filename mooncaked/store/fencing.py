@@ -20,7 +20,7 @@ import time
 from mooncaked.store import metrics
 
 WRITES = frozenset({
-    "MountSegment", "RemountSegment", "EvacuateSegment", "UnmountSegment", "PutStart", "BatchPutStart", "PutEnd",
+    "MountSegment", "RemountSegment", "EvacuateSegment", "ReportWrites", "UnmountSegment", "PutStart", "BatchPutStart", "PutEnd",
     "PutRevoke", "BatchPutEnd", "ReservePlaces", "Remove", "TaskDone",
 })
 """Calls that change what the pool holds or where: refused by a leader unsure of its lease."""

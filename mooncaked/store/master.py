@@ -151,6 +151,39 @@ class StoreMaster:
         except StopIteration as end:
             return end.value
 
+    def report_writes(self, client_id: str, name: str, records: Sequence[ObjectRecord]) -> tuple[int, list[str], bool]:
+        """A writer's puts on another client's DRAM segment, committed just before this master took over
+        (the owner's journal of them may not have gone out). Taken like a remount's objects: only into
+        free space, never over a known object; every read still checks the checksum. Returns
+        (accepted, rejected keys, whether the segment is mounted: if not, nothing was taken)."""
+        seg = self.segments.get(name)
+        if seg is None:
+            return 0, [], False
+        if seg.medium != "dram":
+            raise InvalidArgument(f"segment {name!r} is {seg.medium}; writes are re-reported on DRAM segments only")
+        if seg.owner == client_id:
+            raise InvalidArgument(f"segment {name!r} is the caller's own: its remount re-reports it")
+        cat = self.catalog
+        self.catalog.touch(client_id, create=False)
+        accepted, rejected, fresh = 0, [], []
+        persist = self.policy.persist and cat.tier_of(seg.owner, "lmdb") is not None
+        for rec in records:
+            adopted = cat.adopt(seg, rec, fresh) if rec.key not in self.objects else None
+            if adopted is None:
+                rejected.append(rec.key)
+                continue
+            accepted += 1
+            cat.landed(adopted[0], adopted[1], seg)  # its owner journals it now
+            if persist:
+                self._run(tiering.persist(cat, adopted[0], adopted[1], seg))
+        metrics.OBJECTS.inc(len(fresh))
+        if fresh:
+            self.hooks.pool_event("stored", fresh, seg.medium)
+        if accepted or rejected:
+            logger.info("%s re-reported %d writes on %s (%d taken, %d refused)", client_id, len(records), name,
+                        accepted, len(rejected))
+        return accepted, rejected, True
+
     def ping(self, client_id: str) -> bool:
         """A client's heartbeat; False means the master does not know it (remount)."""
         return self.catalog.touch(client_id, create=False) is not None

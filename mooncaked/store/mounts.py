@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import grpc
@@ -31,8 +32,11 @@ logger = logging.getLogger(__name__)
 class Mounts:
     def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, transfer: TransferEngine,
                  dram: DramSegment | None, lmdb: LmdbTier | None, rpc_timeout_s: float,
-                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None) -> None:
+                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None,
+                 remounted: Callable[[], None] = lambda: None, changing: Callable[[], None] = lambda: None) -> None:
         self.client_id = client_id
+        self._changing = changing  # before a remount at a new master (the tier worker drops the old one's tasks)
+        self._remounted = remounted  # after a remount at a new master (the client re-reports its recent writes)
         self._stub = stub
         self._transfer = transfer
         self._dram = dram
@@ -116,8 +120,10 @@ class Mounts:
                     logger.warning("store master %s us (epoch %d, ours %d): remounting",
                                    "does not know" if not reply.known else "restarted under", reply.master_epoch,
                                    self.epoch)
+                    self._changing()
                     await self.mount_all()
                     self.remounts += 1
+                    self._remounted()
             except grpc.aio.AioRpcError as e:
                 if not down:
                     logger.warning("store master unreachable (%s); retrying", e.code().name)

@@ -207,6 +207,11 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         return store_pb2.EvacuateSegmentReply(demotions=demotions, left=left)
 
     @_now
+    def ReportWrites(self, request, context):
+        accepted, rejected, mounted = self.master.report_writes(request.client_id, request.segment, request.objects)
+        return store_pb2.ReportWritesReply(objects_accepted=accepted, rejected_keys=rejected, segment_mounted=mounted)
+
+    @_now
     def UnmountSegment(self, request, context):
         return store_pb2.UnmountSegmentReply(objects_removed=self.master.unmount(request.client_id,
                                                                                  request.segment))

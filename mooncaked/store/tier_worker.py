@@ -71,6 +71,18 @@ class TierWorker:
                         logger.warning("store tasks stream of %s broke (%s); reopening", self.client_id, e.code().name)
             await asyncio.sleep(RETRY_S)
 
+    def drop_queued(self) -> int:
+        """The master changed (a new leader, or a restart): tasks the old one ordered and we have not
+        started are void. A promotion among them would write into DRAM the new master may have given
+        to a new object, and a delete would remove an LMDB value it knows again."""
+        dropped = 0
+        while not self._inbox.empty():
+            self._inbox.get_nowait()
+            dropped += 1
+        if dropped:
+            logger.info("store client %s: dropped %d tier tasks of the previous store master", self.client_id, dropped)
+        return dropped
+
     async def work(self) -> None:
         """Run queued tasks in batches and report them."""
         loop = asyncio.get_running_loop()

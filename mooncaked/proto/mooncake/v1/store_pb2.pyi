@@ -119,6 +119,26 @@ class EvacuateSegmentReply(_message.Message):
     left: int
     def __init__(self, demotions: _Optional[int] = ..., left: _Optional[int] = ...) -> None: ...
 
+class ReportWritesRequest(_message.Message):
+    __slots__ = ("client_id", "segment", "objects")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    segment: str
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectRecord]
+    def __init__(self, client_id: _Optional[str] = ..., segment: _Optional[str] = ..., objects: _Optional[_Iterable[_Union[ObjectRecord, _Mapping]]] = ...) -> None: ...
+
+class ReportWritesReply(_message.Message):
+    __slots__ = ("objects_accepted", "rejected_keys", "segment_mounted")
+    OBJECTS_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_MOUNTED_FIELD_NUMBER: _ClassVar[int]
+    objects_accepted: int
+    rejected_keys: _containers.RepeatedScalarFieldContainer[str]
+    segment_mounted: bool
+    def __init__(self, objects_accepted: _Optional[int] = ..., rejected_keys: _Optional[_Iterable[str]] = ..., segment_mounted: _Optional[bool] = ...) -> None: ...
+
 class RemountSegmentRequest(_message.Message):
     __slots__ = ("client_id", "segment", "objects")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class StoreMasterStub:
                 request_serializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.FromString,
                 _registered_method=True)
+        self.ReportWrites = channel.unary_unary(
+                '/mooncake.v1.StoreMaster/ReportWrites',
+                request_serializer=mooncake_dot_v1_dot_store__pb2.ReportWritesRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_store__pb2.ReportWritesReply.FromString,
+                _registered_method=True)
         self.PutStart = channel.unary_unary(
                 '/mooncake.v1.StoreMaster/PutStart',
                 request_serializer=mooncake_dot_v1_dot_store__pb2.PutStartRequest.SerializeToString,
@@ -172,6 +177,14 @@ class StoreMasterServicer:
 
     def EvacuateSegment(self, request, context):
         """Before a graceful stop: demote a DRAM segment's objects to its owner's LMDB tier, so they outlive the process.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportWrites(self, request, context):
+        """After a leader change: a writer re-reports puts it committed on another engine's DRAM just before
+        it (the owner's journal of them may not have gone out; see store/recent_writes.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -317,6 +330,11 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.EvacuateSegment,
                     request_deserializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.SerializeToString,
+            ),
+            'ReportWrites': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWrites,
+                    request_deserializer=mooncake_dot_v1_dot_store__pb2.ReportWritesRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_store__pb2.ReportWritesReply.SerializeToString,
             ),
             'PutStart': grpc.unary_unary_rpc_method_handler(
                     servicer.PutStart,
@@ -518,6 +536,33 @@ class StoreMaster:
             '/mooncake.v1.StoreMaster/EvacuateSegment',
             mooncake_dot_v1_dot_store__pb2.EvacuateSegmentRequest.SerializeToString,
             mooncake_dot_v1_dot_store__pb2.EvacuateSegmentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWrites(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.StoreMaster/ReportWrites',
+            mooncake_dot_v1_dot_store__pb2.ReportWritesRequest.SerializeToString,
+            mooncake_dot_v1_dot_store__pb2.ReportWritesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""A put on another engine's DRAM, committed just before the master went, is not forgotten: the
+writer re-reports it (store/recent_writes.py) to the master that follows. Real master(s) on
+loopback gRPC, real clients with DRAM segments in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from store_helpers import client, start
+
+from mooncaked.store import Policy
+from mooncaked.store.errors import InvalidArgument
+from mooncaked.store.master import StoreMaster
+from mooncaked.store.recent_writes import RecentWrites
+from mooncaked.store.records import Endpoint, ObjectRecord, SegmentSpec
+
+KiB = 1024
+pytestmark = pytest.mark.timeout(60)
+
+
+def _dram(name: str, owner: str, capacity: int = 64 * KiB) -> SegmentSpec:
+    return SegmentSpec(f"{owner}/{name}", "dram", capacity, Endpoint("127.0.0.1:9", "tcp", "dram", "", ""))
+
+
+def test_the_master_takes_reported_writes_into_free_space_only():
+    m = StoreMaster(Policy(persist=False))
+    m.mount("owner", _dram("dram", "owner"), [ObjectRecord("known", 0, 1024, 7)])
+    m.mount("writer", _dram("dram", "writer"))
+    accepted, rejected, mounted = m.report_writes("writer", "owner/dram", [
+        ObjectRecord("new", 4096, 1024, 1),       # free space: taken
+        ObjectRecord("known", 8192, 1024, 7),     # the master knows this key already
+        ObjectRecord("overlap", 512, 1024, 2),    # over the known object's bytes
+    ])
+    assert (accepted, rejected, mounted) == (1, ["known", "overlap"], True)
+    assert m.objects["new"].committed and m.objects["new"].replicas[0].offset == 4096
+    assert m.report_writes("writer", "gone/dram", [ObjectRecord("x", 0, 10, 1)]) == (0, [], False)
+    with pytest.raises(InvalidArgument, match="caller's own"):
+        m.report_writes("owner", "owner/dram", [ObjectRecord("y", 20000, 10, 1)])
+
+
+def test_recent_writes_are_kept_for_a_while_and_settled_per_segment():
+    now = [0.0]
+    r = RecentWrites(keep_s=3.0, clock=lambda: now[0])
+    r.note("a/dram", "k1", 0, 10, 1)
+    now[0] = 2.0
+    r.note("b/dram", "k2", 0, 10, 1)
+    assert {s: [w.key for w in ws] for s, ws in r.by_segment().items()} == {"a/dram": ["k1"], "b/dram": ["k2"]}
+    now[0] = 3.5  # k1 is older than keep_s: its journal batch went out long ago
+    assert list(r.by_segment()) == ["b/dram"]
+    r.settle("b/dram")
+    assert not r.by_segment() and len(r) == 0
+
+
+async def test_a_write_whose_journal_never_reached_the_owner_survives_a_master_restart():
+    runner, addr = await start(persist=False)
+    port = int(addr.rsplit(":", 1)[1])
+    owner = await client(addr, "owner", dram_bytes=1024 * KiB)
+    writer = await client(addr, "writer", dram_bytes=64 * KiB)  # less room: the pool places on the owner
+    runner2 = None
+    try:
+        runner.service.journal = lambda *a: None  # the master dies before any journal batch goes out
+        data = {f"w/{i}": os.urandom(16 * KiB) for i in range(5)}
+        assert all(await writer.batch_put(list(data.items())))
+        stats = await writer.pool_stats()
+        on_owner = next(s.objects for s in stats.segments if s.name == "owner/dram")
+        assert on_owner == len(data), "the pool placed the writes on the owner's DRAM"
+        assert len(owner.journal) == 0 and len(writer.recent_writes) == len(data)
+
+        await runner.stop(0)
+        runner2, _ = await start(port=port, persist=False)
+        deadline = time.monotonic() + 15
+        while not all(await _exist(writer, list(data))):
+            assert time.monotonic() < deadline, "the writer's recent writes were not taken back"
+            await asyncio.sleep(0.1)
+        assert await writer.batch_get(list(data)) == list(data.values())
+        await asyncio.sleep(0.1)  # the new master journals them to their owner now
+        assert len(owner.journal) == len(data)
+    finally:
+        await writer.close()
+        await owner.close()
+        if runner2 is not None:
+            await runner2.stop(0)
+
+
+async def _exist(c, keys: list[str]) -> list[bool]:
+    try:
+        return await c.batch_exist(keys)
+    except Exception:  # noqa: BLE001 - the new master may not be up yet
+        return [False]
