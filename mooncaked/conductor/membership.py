@@ -130,6 +130,7 @@ class Membership:
                 self.index.stored(holder, list(e.block_hashes), e.medium or "dram")
             elif e.kind == REMOVED:
                 self.index.removed(holder, list(e.block_hashes))
+        self.scheduler.heard(hb.name)  # its events are in the index: prefills it finished settle
         return True
 
     def deregister(self, name: str) -> bool:

@@ -110,7 +110,7 @@ class Placement:
             lease.start()
             prefill = route.prefill
             prefill.inflight += 1
-            self.scheduler.routed(rid, route, len(ids), params.max_tokens)
+            self.scheduler.routed(rid, route, len(ids), params.max_tokens, hashes)
             done = False
             try:
                 plan = route.plan(self.registry.find)
@@ -149,7 +149,7 @@ class Placement:
             finally:
                 prefill.inflight -= 1
                 if not done:
-                    self.scheduler.prefill_done(rid, prefill.name)
+                    self.scheduler.prefill_done(rid, prefill.name, cached=False)
 
     async def _prefill(self, prefill: Instance, eid: str, ids: list[int], params: SamplingParams,
                        target: Reservation, timeout_s: float, plan: PrefillPlan | None) -> PrefillResult:

@@ -209,7 +209,7 @@ class MooncakedPolicy(Policy):
     Against ``mooncake`` on the bundled trace (16P+16D, seeds 0-3; docs/performance.md,
     "Beyond Algorithm 1"): mean TTFT x0.984 on the whole trace, x0.968 on its held-out second
     half, SLO attainment no worse; the gain is the in-flight prefixes (the pull rule ties on
-    fast links). Live, ``pending_blocks`` is 0 until the router tracks routed prefills' blocks.
+    fast links). Live, the router fills ``pending_blocks`` from its ledger of routed prefills (router.PendingBlocks).
     """
 
     name = "mooncaked"

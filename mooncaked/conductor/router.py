@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -71,15 +72,71 @@ class _Seq:
     joins_at_s: float
 
 
+# heartbeats of a prefill instance after a prefill there returned until its blocks are surely in the
+# prefix index: the first may have been sent before the blocks were cached, the second was not
+SETTLE_HEARTBEATS = 2
+
+
+@dataclass
+class PendingBlocks:
+    """Block hashes of the prefills this conductor routed to one instance and has not yet seen cached.
+
+    A prompt's blocks count from routing until the instance's KV events have surely reported them
+    (``SETTLE_HEARTBEATS`` heartbeats after its prefill returned), so a request sharing the prefix
+    never sees it as held nowhere: the policy's ``pending_blocks`` (as ``tools/sim`` counts them).
+    """
+
+    counts: Counter[int] = field(default_factory=Counter)
+    requests: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    settling: dict[str, int] = field(default_factory=dict)  # request id -> heartbeats still to hear
+
+    def add(self, request_id: str, hashes: tuple[int, ...]) -> None:
+        self.drop(request_id)
+        self.requests[request_id] = hashes
+        self.counts.update(hashes)
+
+    def settle(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.settling.setdefault(request_id, SETTLE_HEARTBEATS)
+
+    def drop(self, request_id: str) -> None:
+        hashes = self.requests.pop(request_id, None)
+        self.settling.pop(request_id, None)
+        if hashes:
+            self.counts.subtract(hashes)
+            for h in hashes:
+                if self.counts[h] <= 0:
+                    del self.counts[h]
+
+    def heard(self) -> None:
+        for rid, left in list(self.settling.items()):
+            if left <= 1:
+                self.drop(rid)
+            else:
+                self.settling[rid] = left - 1
+
+    def run(self, hashes: list[int] | tuple[int, ...]) -> int:
+        """Leading blocks of ``hashes`` that are pending here."""
+        n = 0
+        if self.counts:
+            for h in hashes:
+                if h not in self.counts:
+                    break
+                n += 1
+        return n
+
+
 @dataclass
 class SchedulerState:
     """What the conductor learns at run time: per-instance fitted models and its own ledgers.
 
     The prefill backlog is what this conductor routed to each prefill instance and has not
-    seen finish (``T_queue``, current between heartbeats); the decode ledger is each decode
+    seen finish (``T_queue``, current between heartbeats); ``pending`` the prompt blocks of those
+    prefills, until the instance's KV events report them cached; the decode ledger is each decode
     instance's sequences with their estimated remaining tokens (``max_tokens`` minus what
     was streamed). Call ``routed`` after a successful ``pick``, ``prefill_done`` when the
-    Prefill RPC returns (or fails), ``tokens`` as tokens are relayed, ``finished`` at the end.
+    Prefill RPC returns (or fails), ``heard`` on each heartbeat, ``tokens`` as tokens are
+    relayed, ``finished`` at the end.
     """
 
     policy: Policy
@@ -88,6 +145,7 @@ class SchedulerState:
     models: dict[str, InstanceModel] = field(default_factory=dict)
     backlogs: dict[str, PrefillBacklog] = field(default_factory=dict)
     seqs: dict[str, _Seq] = field(default_factory=dict)
+    pending: dict[str, PendingBlocks] = field(default_factory=dict)
 
     def model(self, name: str) -> InstanceModel:
         m = self.models.get(name)
@@ -99,22 +157,45 @@ class SchedulerState:
         return self.backlogs.setdefault(name, PrefillBacklog())
 
     def forget(self, name: str) -> None:
-        """An instance left (or restarted): its model and backlog start afresh."""
+        """An instance left (or restarted): its model, backlog and pending blocks start afresh."""
         self.models.pop(name, None)
         self.backlogs.pop(name, None)
+        self.pending.pop(name, None)
+
+    def pending_run(self, name: str, hashes: list[int] | tuple[int, ...]) -> int:
+        """Leading blocks of ``hashes`` that prefills routed to ``name`` are computing (or just cached)."""
+        p = self.pending.get(name)
+        return p.run(hashes) if p is not None else 0
+
+    def heard(self, name: str) -> None:
+        """A heartbeat of ``name`` arrived (its KV events are in the prefix index now)."""
+        p = self.pending.get(name)
+        if p is not None:
+            p.heard()
 
     # -- the request's path ---------------------------------------------------------------
-    def routed(self, request_id: str, route: Route, prompt_len: int, max_tokens: int) -> None:
+    def routed(self, request_id: str, route: Route, prompt_len: int, max_tokens: int,
+               hashes: list[int] | tuple[int, ...] = ()) -> None:
         d = route.decision
         predicted = d.predicted_prefill_s if d else 0.0
         self.backlog(route.prefill.name).add(request_id, predicted, prompt_len)
+        if hashes:
+            self.pending.setdefault(route.prefill.name, PendingBlocks()).add(request_id, tuple(hashes))
         joins = self.clock() + (d.predicted_ttft_s if d else 0.0)
         self.seqs[request_id] = _Seq(route.decode.name, prompt_len + 1, max(max_tokens - 1, 0), joins)
 
     def prefill_done(self, request_id: str, prefill: str, uncached: int = 0, prefix: int = 0,
-                     compute_s: float | None = None) -> None:
-        """The Prefill RPC returned; ``compute_s`` is the engine-measured compute time, if known."""
+                     compute_s: float | None = None, cached: bool = True) -> None:
+        """The Prefill RPC returned; ``compute_s`` is the engine-measured compute time, if known.
+        Its blocks stay pending until the instance's heartbeats have surely reported them;
+        ``cached=False`` (it failed): they are dropped at once."""
         self.backlog(prefill).finish(request_id)
+        p = self.pending.get(prefill)
+        if p is not None:
+            if cached:
+                p.settle(request_id)
+            else:
+                p.drop(request_id)
         if compute_s is not None:
             self.model(prefill).prefill.observe(uncached, prefix, compute_s)
 
@@ -125,9 +206,14 @@ class SchedulerState:
             s.remaining = max(0, s.remaining - n)
 
     def finished(self, request_id: str) -> None:
+        """The request ended: its decode sequence and queued prefill go; blocks of a prefill that
+        returned settle as usual (they are cached), those of one that never ran are dropped."""
         self.seqs.pop(request_id, None)
         for b in self.backlogs.values():
             b.finish(request_id)
+        for p in self.pending.values():
+            if request_id not in p.settling:
+                p.drop(request_id)
 
     # -- measurements (from heartbeats) ---------------------------------------------------
     def observe_prefill(self, name: str, uncached: int, prefix: int, seconds: float) -> None:
@@ -170,7 +256,8 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
             p.name, "prefill", model, own_blocks=look.holders.get(p.name, 0),
             own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
             pool_slow_blocks=look.pool_slow, queued_tokens=max(reported, backlog.waiting_tokens),
-            queued_s=max(from_heartbeat, backlog.seconds(now))))
+            queued_s=max(from_heartbeat, backlog.seconds(now)),
+            pending_blocks=state.pending_run(p.name, hashes)))
     by_decode: dict[str, list[_Seq]] = {}
     for s in state.seqs.values():
         by_decode.setdefault(s.decode, []).append(s)
