@@ -161,6 +161,29 @@ class DecodeTimeModel(StepTimeModel):
         return (1.0, float(batch), context_tokens / 1000.0)
 
 
+class _MeasuredPrefillFit(StepTimeModel):
+    """``PrefillTimeModel``'s terms fitted from a profile's samples with the attention terms tied.
+
+    ``n`` new tokens attend over ``p + n/2`` keys on average, so the ``n*p`` and ``n^2`` terms are
+    one attention cost ``t``: ``(t, t/2)``. Fitted apart from a few noisy samples (a 512-token model
+    gives ``tools/profile_engine.py --quick`` four shapes) the ``n*p`` term could soak up the noise
+    alone and predict a cached prefix as dearer than computing it, so that every cost-aware policy
+    in the simulator shuns its own cache while the live conductor does not.
+    """
+
+    names = ("const_s", "per_ktok_s", "attention_s")
+
+    @staticmethod
+    def features(n: float, p: float) -> tuple[float, ...]:
+        x, y = n / 1000.0, p / 1000.0
+        return (1.0, x, x * y + x * x / 2)
+
+    def expanded(self) -> tuple[float, ...]:
+        """As ``PrefillTimeModel.names``."""
+        c, a, t = self.coef
+        return (c, a, t, t / 2)
+
+
 @dataclass
 class TransferModel:
     """Seconds to bring cached blocks into an instance: local tier, remote holder, disk tier.
@@ -257,14 +280,14 @@ class Profile:
         unknown = set(raw) - set(base) - {"prefill_samples", "decode_samples"}
         if unknown:
             raise ValueError(f"{path}: unknown profile keys {sorted(unknown)}; known: {sorted(base)}")
-        for key, model in (("prefill_samples", PrefillTimeModel), ("decode_samples", DecodeTimeModel)):
+        for key, model in (("prefill_samples", _MeasuredPrefillFit), ("decode_samples", DecodeTimeModel)):
             samples = raw.pop(key, None)
             if samples:
                 m = model([0.0] * len(model.names), window=max(len(samples), 1))
                 for a, b, s in samples:
                     m.observe(a, b, s)
                 m.refit()
-                raw[key.replace("_samples", "_coef")] = m.coef
+                raw[key.replace("_samples", "_coef")] = m.expanded() if isinstance(m, _MeasuredPrefillFit) else m.coef
         base.update(raw)
         if base["name"] == A800_LLAMA2_70B.name and "prefill_coef" in raw:
             base["name"] = Path(path).stem  # measured, not the A800 model: do not wear its name
