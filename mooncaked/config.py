@@ -42,6 +42,7 @@ ROLES: tuple[str, ...] = ("conductor", "prefill", "decode", "store", "all")
 TRANSFER_BACKENDS: tuple[str, ...] = ("tcp", "shm", "auto", "rdma")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
 DTYPES: tuple[str, ...] = ("float32", "float", "bfloat16", "float16", "half")
+QUANTIZE_MODES: tuple[str, ...] = ("none", "int8", "int4")  # mooncaked/engine/quant.py
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
@@ -451,6 +452,9 @@ class WorkerConfig(RoleConfig):
     dtype: str | None = _setting(None, _optional(_choice(DTYPES)),
                                  "model dtype: float32, bfloat16 or float16 (default: the model's own; "
                                  "float32 on CPU)", "DTYPE")
+    quantize: str = _setting("none", _choice(QUANTIZE_MODES),
+                             "weight-only quantization of the linear layers on CPU: none (exact, as "
+                             "transformers), int8 or int4 (fewer bytes per token)", "MODE")
     kv_cache_bytes: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                           "bytes of KV cache, e.g. 2GiB (default: a share of free GPU "
                                           "memory, or 1GiB on CPU)", "SIZE")
@@ -512,6 +516,7 @@ class WorkerConfig(RoleConfig):
             enable_prefix_caching=self.enable_prefix_caching,
             hash_seed=self.hash_seed,
             record_kv_events=True,
+            quantize=self.quantize,
         )
 
 

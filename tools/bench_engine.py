@@ -1,9 +1,12 @@
 """Engine throughput against `transformers.generate` on the same weights, in the same run.
 
-Default: the bundled SmolLM2-135M-Instruct on the CPU, prompts of 512 random token ids,
-128 new tokens (no early stop), batch 1 and batch 16. Prints tokens/s of both and the ratio.
+Default: the bundled SmolLM2-135M-Instruct on the CPU, prompts of 128 random token ids,
+32 new tokens (no early stop), batch 1 and batch 16. Each engine path (``--paths``: fp32 = quantize
+none, int8, int4) against transformers.generate in fp32 and bf16, all in the same run, plus each
+path's quality against fp32: perplexity on a fixed paragraph and greedy agreement over 32 tokens
+on 16 prompts (position-wise, and up to the first divergence).
 
-    python tools/bench_engine.py [--quick] [--json] [--model PATH] [--batches 1 16]
+    python tools/bench_engine.py [--quick] [--json] [--model PATH] [--batches 1 16] [--paths fp32 int8]
 """
 
 from __future__ import annotations
@@ -44,21 +47,53 @@ def bench_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, l
     return time.perf_counter() - t0, y[:, x.shape[1]:].tolist()
 
 
+PARAGRAPH = ("The history of the city begins in the early middle ages, when a small settlement grew around a "
+             "river crossing. Merchants came to trade wool and salt, and by the twelfth century the town had "
+             "walls, a market square and a church whose tower still stands. In the centuries that followed, "
+             "fires, wars and floods reshaped the streets, but the old plan can still be traced in the narrow "
+             "lanes that lead down to the water.")
+QUANT = {"fp32": "none", "int8": "int8", "int4": "int4"}
+
+
+def quality(engines: dict, new_tokens: int = 32, num_prompts: int = 16) -> dict[str, dict]:
+    """Each path's perplexity on PARAGRAPH (and its ratio to fp32's) and greedy agreement with fp32."""
+    from mooncaked.engine import SamplingParams
+    from mooncaked.engine.quant import greedy_agreement, perplexity
+
+    base = engines["fp32"]
+    ids = base.tokenize(PARAGRAPH)
+    prompts = [base.tokenize(f"Question {i}: write a few sentences about topic number {i}.")
+               for i in range(num_prompts)]
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
+    ref_ppl = perplexity(base.score(ids), ids)
+    ref = [o.token_ids for o in base.generate(prompts, params)]
+    out = {}
+    for name, eng in engines.items():
+        ppl = perplexity(eng.score(ids), ids)
+        got = ref if eng is base else [o.token_ids for o in eng.generate(prompts, params)]
+        out[name] = {"perplexity": round(ppl, 3), "ppl_ratio": round(ppl / ref_ppl, 4),
+                     "agreement": round(greedy_agreement(ref, got), 3),
+                     "agreement_prefix": round(greedy_agreement(ref, got, prefix=True), 3)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--paths", nargs="+", default=["fp32", "int8"], choices=sorted(QUANT),
+                    help="engine paths to measure (fp32: today's exact path)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="also run the largest batch with prompts sharing this many leading tokens, already "
                          "cached by earlier traffic (our target workload; generate recomputes them per prompt)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--quick", action="store_true", help="prompt 128, 32 new tokens, batch 1 and 4 (< 1 min)")
+    ap.add_argument("--quick", action="store_true", help="prompt 64, 16 new tokens, batch 1 and 4, no quality (< 1 min)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.quick:
-        args.prompt_len, args.new_tokens, args.batches = 128, 32, [1, 4]
+        args.prompt_len, args.new_tokens, args.batches = 64, 16, [1, 4]
         args.shared_prefix = min(args.shared_prefix, 96)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,44 +104,61 @@ def main() -> int:
     from mooncaked.engine import Engine
 
     max_batch = max(args.batches)
-    engine = Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
-                                    max_num_batched_tokens=max(2048, args.prompt_len))
-    hf = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32).eval()
-    vocab = engine.model_config.vocab_size
+    paths = list(dict.fromkeys(["fp32", *args.paths]))
+    engines = {p: Engine.from_pretrained(args.model, quantize=QUANT[p], max_num_seqs=max(64, max_batch),
+                                         max_num_batched_tokens=max(2048, args.prompt_len)) for p in paths}
+    model_dir = str(engines["fp32"].model_dir)
+    hfs = {"hf_fp32": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+           "hf_bf16": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()}
+    vocab = engines["fp32"].model_config.vocab_size
     warm = _prompts(1, 16, vocab, 0)
-    bench_ours(engine, warm, 4)
-    bench_hf(hf, warm, 4)
+    for eng in engines.values():
+        bench_ours(eng, warm, 4)
+    for hf in hfs.values():
+        bench_hf(hf, warm, 4)
 
-    results = {"model": str(engine.model_dir.name), "device": "cpu", "threads": torch.get_num_threads(),
+    results = {"model": engines["fp32"].model_dir.name, "device": "cpu", "threads": torch.get_num_threads(),
+               "cpu": torch.backends.cpu.get_cpu_capability(),
                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
     runs = [(b, 0) for b in args.batches]
     if args.shared_prefix:
         runs.append((max_batch, args.shared_prefix))
     for batch, shared in runs:
         prompts = _prompts(batch, args.prompt_len, vocab, seed=batch, shared=shared)
-        if shared:
-            # steady state of a shared system prompt: earlier traffic left it in the prefix cache
-            bench_ours(engine, [prompts[0][:shared] + [100]], 1)
-        ours_s, ours_ids = bench_ours(engine, prompts, args.new_tokens)
-        hf_s, hf_ids = bench_hf(hf, prompts, args.new_tokens)
         n = batch * args.new_tokens
-        same = sum(a == b for a, b in zip(ours_ids, hf_ids))
-        results["runs"].append({
-            "batch": batch, "shared_prefix": shared,
-            "ours_s": round(ours_s, 3), "hf_s": round(hf_s, 3),
-            "ours_tok_s": round(n / ours_s, 2), "hf_tok_s": round(n / hf_s, 2),
-            "ratio": round(hf_s / ours_s, 3),
-            "same_tokens_as_hf": f"{same}/{batch}",
-        })
+        run = {"batch": batch, "shared_prefix": shared}
+        hf_ids = None
+        for name, hf in hfs.items():
+            secs, ids = bench_hf(hf, prompts, args.new_tokens)
+            run[f"{name}_tok_s"] = round(n / secs, 2)
+            hf_ids = hf_ids if name != "hf_fp32" else ids
+        for name, eng in engines.items():
+            if shared:
+                # steady state of a shared system prompt: earlier traffic left it in the prefix cache
+                bench_ours(eng, [prompts[0][:shared] + [100]], 1)
+            secs, ids = bench_ours(eng, prompts, args.new_tokens)
+            run[f"{name}_tok_s"] = round(n / secs, 2)
+            run[f"{name}_vs_hf_fp32"] = round(run[f"{name}_tok_s"] / run["hf_fp32_tok_s"], 3)
+            run[f"{name}_vs_hf_bf16"] = round(run[f"{name}_tok_s"] / run["hf_bf16_tok_s"], 3)
+            if name == "fp32":
+                run["fp32_same_tokens_as_hf"] = f"{sum(a == b for a, b in zip(ids, hf_ids))}/{batch}"
+        results["runs"].append(run)
+    if not args.quick:
+        results["quality"] = quality(engines)
     if args.json:
         print(json.dumps(results))
     else:
         print(f"model {results['model']}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
-              f"{results['threads']} threads")
-        print(f"{'batch':>5} {'shared':>6} {'ours tok/s':>11} {'hf tok/s':>9} {'ratio':>6} {'same as hf':>10}")
+              f"{results['threads']} threads, {results['cpu']}")
         for r in results["runs"]:
-            print(f"{r['batch']:>5} {r['shared_prefix']:>6} {r['ours_tok_s']:>11} {r['hf_tok_s']:>9} {r['ratio']:>6} "
-                  f"{r['same_tokens_as_hf']:>10}")
+            print(f"batch {r['batch']} shared {r['shared_prefix']}: hf fp32 {r['hf_fp32_tok_s']} tok/s, "
+                  f"hf bf16 {r['hf_bf16_tok_s']} tok/s; fp32 same as hf {r['fp32_same_tokens_as_hf']}")
+            for p in paths:
+                print(f"  {p:>5}: {r[p + '_tok_s']:>8} tok/s  {r[p + '_vs_hf_fp32']:>6}x hf fp32  "
+                      f"{r[p + '_vs_hf_bf16']:>6}x hf bf16")
+        for p, q in results.get("quality", {}).items():
+            print(f"quality {p}: perplexity {q['perplexity']} ({q['ppl_ratio']}x fp32), greedy agreement "
+                  f"{q['agreement']} (prefix {q['agreement_prefix']})")
     return 0
 
 

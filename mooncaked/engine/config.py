@@ -215,6 +215,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
+    quantize: str = "none"  # "none" | "int8" | "int4": weight-only quantized linear layers (CPU; engine/quant.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -226,6 +227,9 @@ class EngineConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         check_device(self.device)
+        from mooncaked.engine.quant import check_quantize
+
+        check_quantize(self.quantize, self.device)
 
 
 def check_device(device: str) -> torch.device:

@@ -18,6 +18,7 @@ from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
+from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
 
@@ -53,6 +54,9 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len).to(dtype)
         self.model.rope.float()
         load_weights(self.model, model_cfg, model_dir, dtype)
+        if engine_cfg.quantize != "none":
+            n = quantize_model(self.model, engine_cfg.quantize)
+            log.info("model runner: %d linear layers quantized to %s", n, engine_cfg.quantize)
         self.model.eval()
         self.kv = KVCache.allocate(model_cfg, num_blocks, self.block_size, dtype, self.device, kv_pool)
         self.kv_layers = self.kv.layers()

@@ -1,0 +1,145 @@
+"""Weight-only quantization of the model's linear layers, done at load time (no new file format).
+
+Why: a CPU decode step is bound by the bytes of weights it reads; int8 reads a quarter of fp32's,
+int4 (groups of 32) about a sixth. The kernels are torch's own (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`, as gpt-fast uses them); on AVX2 they are fast only with bf16
+activations, so a quantized layer casts its input to bf16 and its output back, while the residual
+stream, norms, attention and the KV cache stay in the model's dtype. For many rows at once
+(prefill) the kernels lose to an fp32 GEMM, so there the weight is dequantized on the fly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mooncaked.engine.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+QUANTIZE_MODES: tuple[str, ...] = ("none", "int8", "int4")
+INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
+# rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
+SMALL_M = {"int8": 64, "int4": 64}
+
+
+def check_quantize(mode: str, device: str) -> str:
+    if mode not in QUANTIZE_MODES:
+        raise ConfigError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    if mode != "none" and torch.device(device).type != "cpu":
+        raise ConfigError(f"quantize={mode} is a CPU path; use quantize=none on {device}")
+    return mode
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: w ≈ q * scale[:, None]."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group`` inputs: w ≈ (q - 8) * scale + zero, q in 0..15.
+    Returns q [N, K] (uint8), scale and zero [N, K/group] (fp32)."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q.contiguous(), scale, lo + 8 * scale
+
+
+class QuantLinear(nn.Module):
+    """A drop-in for ``nn.Linear`` (forward only) holding quantized weights."""
+
+    def __init__(self, linear: nn.Linear, mode: str) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        self.mode = mode
+        self.out_features, self.in_features = w.shape
+        self.small_m = SMALL_M[mode]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if mode == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("q", q)
+            self.register_buffer("scale", scale)
+            self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
+        else:
+            q, scale, zero = quantize_int4(w)
+            self.register_buffer("q", q)  # unpacked, for the prefill path's dequantization
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero", zero)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            self.register_buffer("packed", packed)
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+            self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.mode == "int8":
+            return (self.q.to(dtype) * self.scale[:, None].to(dtype))
+        n, k = self.q.shape
+        qg = self.q.to(torch.float32).reshape(n, k // INT4_GROUP, INT4_GROUP) - 8
+        return (qg * self.scale[..., None] + self.zero[..., None]).reshape(n, k).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > self.small_m:
+            y = F.linear(x2, self.dequantized(x.dtype))
+        elif self.mode == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                           self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) -> int:
+    """Replace every ``nn.Linear`` of ``model`` (in place) whose input size fits ``mode``; returns
+    how many. The embedding stays as it is: a tied lm_head gets its own quantized copy."""
+    if mode == "none":
+        return 0
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if child_name == "lm_head" and not include_lm_head:
+                continue
+            if mode == "int4" and child.in_features % INT4_GROUP:
+                log.warning("quantize: %s.%s kept unquantized (in_features %d not a multiple of %d)",
+                            name, child_name, child.in_features, INT4_GROUP)
+                continue
+            setattr(module, child_name, QuantLinear(child, mode))
+            count += 1
+    return count
+
+
+def perplexity(logits: torch.Tensor, tokens: list[int]) -> float:
+    """Perplexity of ``tokens[1:]`` under ``logits`` ([len(tokens), vocab], row i predicts token i+1)."""
+    if len(tokens) < 2:
+        raise ValueError("perplexity needs at least two tokens")
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(tokens[1:], device=logits.device)
+    nll = -logp.gather(1, target[:, None]).mean()
+    return float(torch.exp(nll))
+
+
+def greedy_agreement(reference: list[list[int]], candidate: list[list[int]], prefix: bool = False) -> float:
+    """Share of positions where two greedy runs chose the same token. ``prefix`` counts only up to
+    each pair's first divergence (the stricter figure: after one differing token the contexts differ)."""
+    total = agree = 0
+    for ref, cand in zip(reference, candidate, strict=True):
+        total += len(ref)
+        for a, b in zip(ref, cand):
+            if a == b:
+                agree += 1
+            elif prefix:
+                break
+    return agree / total if total else 1.0
