@@ -10,8 +10,14 @@ Rows (the same total bytes, moved as fixed-size blocks):
   mooncake mooncake-transfer-engine's TCP transport, when importable
            (through our adapter, mooncaked.transfer.rdma; run after the others)
 
-Usage: python tools/bench_transfer.py [--quick] [--json] [--total-mib N] [--block-mib N] [--token]
+Usage: python tools/bench_transfer.py [--quick] [--json] [--contention] [--total-mib N] [--block-mib N] [--token]
 --token: our engines prove a cluster secret to each other (the handshake, once per connection).
+--contention: only the socket and tcp rows, under load: one compute process per core (torch
+  matmuls, one thread each) saturates the CPU, and the engine's own event loop is kept busy by a
+  task burning CPU in short slices (pure Python, the GIL held, as a serving engine's loop runs its
+  scheduler). The socket baseline (the ceiling, the ratio's denominator) blocks the loop thread in
+  sendall, so it meets the same busy cores but not the burner; socket_thread runs the same sendall
+  in a thread beside the burning loop (it shares the GIL with it), for comparison.
 Baseline and engine reps are interleaved so both see the same machine load.
 Processes are spawned, never forked: forking after allocating big buffers
 would make every page copy-on-write.
@@ -103,11 +109,69 @@ def _gbps(total: int, seconds: float) -> float:
     return total / seconds / 1e9
 
 
-def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None) -> dict[str, list[float] | bool]:
+def _hog(stop: Any) -> None:
+    """One core's worth of compute: small torch matmuls on one thread until told to stop."""
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    while not stop.is_set():
+        for _ in range(50):
+            a = torch.tanh(a @ a)
+
+
+class Contention:
+    """The load of --contention: compute processes on every core, and a task that keeps the
+    engine's event loop busy (BURN_SLICE_S of pure Python, then one yield, over and over)."""
+
+    BURN_SLICE_S = 0.002
+
+    def __init__(self) -> None:
+        self._stop = CTX.Event()
+        self._procs = [CTX.Process(target=_hog, args=(self._stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
+        self._burner: asyncio.Task[None] | None = None
+        self.slices = 0
+
+    def start_hogs(self) -> None:
+        for p in self._procs:
+            p.start()
+
+    def stop_hogs(self) -> None:
+        self._stop.set()
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+
+    def start_burner(self) -> None:
+        self._burner = asyncio.get_running_loop().create_task(self._burn())
+
+    async def _burn(self) -> None:
+        while True:
+            end = time.perf_counter() + self.BURN_SLICE_S
+            x = 0
+            while time.perf_counter() < end:
+                x += 1  # Python bytecode: holds the GIL, as a scheduler step does
+            self.slices += 1
+            await asyncio.sleep(0)
+
+    async def stop_burner(self) -> None:
+        if self._burner is not None:
+            self._burner.cancel()
+            try:
+                await self._burner
+            except asyncio.CancelledError:
+                pass
+
+
+def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
+              contention: Contention | None = None) -> dict[str, list[float] | bool]:
     """Plain socket and engine tcp, reps interleaved so both see the same load."""
     _, sock_proc, port = _spawn(_socket_receiver, total)
     pipe, peer_proc, peer = _spawn(_engine_peer, "tcp", total, token)
     times: dict[str, list[float] | bool] = {"socket": [], "tcp": [], "tcp_1conn": []}
+
+    def send_pass(sock: socket.socket, view: memoryview) -> None:
+        sock.sendall(view)  # blocking on purpose: the plain-socket ceiling
+        assert sock.recv(1) == b"k"
 
     async def main() -> bool:
         engine = TransferEngine(backend="tcp", token=token)
@@ -120,17 +184,26 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None) -> 
         loop = asyncio.get_running_loop()
         for eng in (engine, one):
             await eng.submit(ops[:1])  # opens the pool: set-up, not transfer
+        if contention is not None:
+            contention.start_hogs()
+            contention.start_burner()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.setblocking(True)
             for _ in range(reps):
                 t0 = time.perf_counter()
-                sock.sendall(view)  # blocking on purpose: the plain-socket ceiling
-                assert sock.recv(1) == b"k"
+                send_pass(sock, view)  # blocks the loop: the burner waits, the sender has the GIL to itself
                 times["socket"].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+                if contention is not None:  # again in a thread, beside the burning loop (same GIL)
+                    t0 = time.perf_counter()
+                    await loop.run_in_executor(None, send_pass, sock, view)
+                    times.setdefault("socket_thread", []).append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
                 for key, eng in (("tcp", engine), ("tcp_1conn", one)):
                     t0 = time.perf_counter()
                     await eng.submit(ops)
                     times[key].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
+        if contention is not None:
+            await contention.stop_burner()
+            contention.stop_hogs()
         pipe.send("digest")
         ok = await loop.run_in_executor(None, pipe.recv) == _digest(src)
         await one.close()
@@ -140,6 +213,8 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None) -> 
     try:
         times["tcp_verified"] = uvloop.run(main())
     finally:
+        if contention is not None:
+            contention.stop_hogs()  # again, in case main() failed half way
         pipe.send("stop")
         peer_proc.join(30)
         sock_proc.join(30)
@@ -233,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-mib", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--token", action="store_true", help="engines prove a (random) cluster secret to each other")
+    ap.add_argument("--contention", action="store_true",
+                    help="socket and tcp rows only, with every core busy and the engine's loop burning CPU")
     args = ap.parse_args(argv)
     total = (args.total_mib or (256 if args.quick else 1024)) * MiB
     block = args.block_mib * MiB
@@ -241,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("total must be a multiple of the block size")
 
     token = os.urandom(32).hex().encode() if args.token else None
+    if args.contention:
+        return contention_main(total, block, reps, token, args.json)
     tcp_runs = bench_tcp(total, block, reps, token)
     shm_runs = bench_shm(total, block, reps, token)
     mc = bench_mooncake(total, block, reps)
@@ -291,6 +370,43 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{best['tcp'] / best['mooncake_tcp']:.2f}x (ours/theirs)"
             row("mooncake-transfer-engine tcp", "mooncake_tcp", ratio, mc[1])
     ok = tcp_ok and shm_ok and (isinstance(mc, str) or mc[1])
+    return 0 if ok else 1
+
+
+def contention_main(total: int, block: int, reps: int, token: bytes | None, as_json: bool) -> int:
+    """--contention: the tcp rows under load; the ratio tcp/socket is what the data plane must hold."""
+    load = Contention()
+    runs = bench_tcp(total, block, reps, token, load)
+    ok = bool(runs.pop("tcp_verified"))
+    best = {k: max(v) for k, v in runs.items()}  # type: ignore[arg-type]
+    median = {k: statistics.median(v) for k, v in runs.items()}  # type: ignore[arg-type]
+    result: dict[str, Any] = {
+        "total_bytes": total,
+        "block_bytes": block,
+        "reps": reps,
+        "cluster_secret": bool(token),
+        "contention": {"compute_processes": os.cpu_count() or 1, "loop_burn_slice_s": load.BURN_SLICE_S,
+                       "loop_slices_burnt": load.slices},
+        "unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
+        "best_gbps": {k: round(v, 3) for k, v in best.items()},
+        "median_gbps": {k: round(v, 3) for k, v in median.items()},
+        "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
+        "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
+        "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
+        "tcp_verified": ok,
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"{total // (1024 * 1024)} MiB as {block // (1024 * 1024)} MiB write ops, {reps} interleaved reps, "
+              f"under contention: {os.cpu_count()} compute processes, the engine's loop burning "
+              f"{load.BURN_SLICE_S * 1e3:g} ms slices ({load.slices} burnt)")
+        print(f"{'path':<32}{'best':>7}{'median':>8}  {'ratio (best)':<22}verified")
+        print(f"{'plain socket (baseline)':<32}{best['socket']:>7.2f}{median['socket']:>8.2f}")
+        print(f"{'plain socket in a thread':<32}{best['socket_thread']:>7.2f}{median['socket_thread']:>8.2f}")
+        for label, key in (("TransferEngine tcp", "tcp"), ("TransferEngine tcp, 1 conn", "tcp_1conn")):
+            ratio = f"{best[key] / best['socket']:.2f}x socket"
+            print(f"{label:<32}{best[key]:>7.2f}{median[key]:>8.2f}  {ratio:<22}{ok}")
     return 0 if ok else 1
 
 
