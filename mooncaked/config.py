@@ -488,6 +488,10 @@ class WorkerConfig(RoleConfig):
                                            "the KV pool (default: none, no disk tier)", "DIR")
     store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier "
                                      "(0: none; needs --store-lmdb-path)", "SIZE")
+    join_timeout_s: float = _setting(60.0, _at_least(_float, 0),
+                                     "seconds an engine waits at start for a conductor to accept its "
+                                     "registration (and for the store master, with --store) before it exits "
+                                     "with one line (0: wait forever)", "S")
     debug_kill_engine_after_steps: int = _setting(0, _at_least(_int, 0),
                                                   "debugging only: the engine's driver dies after this many steps, "
                                                   "to see the instance report itself dead and exit 1 (0: never)", "N")

@@ -134,6 +134,44 @@ def test_an_engine_names_a_busy_transfer_port(tiny_model_factory):
     _one_line(result, f"--transfer-listen 127.0.0.1:{port} is already in use")
 
 
+def test_an_engine_whose_conductor_never_answers_exits_with_one_line(tiny_model_factory):
+    """No conductor at --conductor: within --join-timeout-s the engine says so, naming the flag, and
+    exits 1 (an engine that serves nobody is a startup failure; systemd restarts it later). At
+    --log-level WARNING: the daemon's INFO progress lines (model loaded, ports) come before the
+    failure at the default level; what the failure itself adds is the retry warning and the line."""
+    _, folder = tiny_model_factory("llama")
+    conductor = f"127.0.0.1:{free_port()}"
+    result = _mooncaked("--role", "prefill", "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}",
+                        "--conductor", conductor, "--join-timeout-s", "2", "--kv-cache-bytes", "4MiB",
+                        "--log-level", "WARNING", timeout=60)
+    _one_line(result, "no conductor accepted this engine within 2s", f"--conductor: {conductor}", "UNAVAILABLE",
+              most=2)
+    assert result.returncode == 1
+
+
+def test_an_engine_whose_store_never_answers_exits_with_one_line(tiny_model_factory):
+    _, folder = tiny_model_factory("llama")
+    store = f"127.0.0.1:{free_port()}"
+    result = _mooncaked("--role", "decode", "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}",
+                        "--conductor", f"127.0.0.1:{free_port()}", "--store", store, "--join-timeout-s", "2",
+                        "--kv-cache-bytes", "4MiB", "--log-level", "WARNING", timeout=60)
+    _one_line(result, f"the store master {store} (--store) did not take this engine within 2s", most=2)
+    assert result.returncode == 1
+
+
+def test_a_bad_config_file_is_one_line_naming_the_key_and_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('role = "store"\nheartbeat_timeout_s = "soon"\n')
+    result = _mooncaked("--config", str(bad), timeout=60)
+    _one_line(result, "heartbeat_timeout_s", str(bad))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text('role = "store"\nno_such_setting = 1\n')
+    _one_line(_mooncaked("--config", str(unknown), timeout=60), "no_such_setting", str(unknown))
+    broken = tmp_path / "broken.toml"
+    broken.write_text('role = "store\n')
+    _one_line(_mooncaked("--config", str(broken), timeout=60), str(broken))
+
+
 def test_a_second_all_role_on_a_port_exits_with_one_line(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
     port = free_port()

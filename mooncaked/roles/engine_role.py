@@ -27,7 +27,7 @@ from mooncaked.instance.pool_cache import PoolCache
 from mooncaked.roles.membership import Memberships
 from mooncaked.rpc import RoleServer, sd_notify
 from mooncaked.security import Security
-from mooncaked.startup import listening
+from mooncaked.startup import StartupError, listening
 from mooncaked.tasks import spawn
 from mooncaked.roles.worker import PeerLinks, WorkerService
 from mooncaked.transfer import TransferEngine
@@ -68,7 +68,14 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     # HOST:0, as under --role all, learns it only now); the pool's segments are named after it too
     cfg = dataclasses.replace(cfg, name=cfg.instance_name(port))
     service.name = cfg.name
-    store = await _start_store_client(cfg, transfer, security) if cfg.store is not None else None
+    try:
+        store = await _start_store_client(cfg, transfer, security) if cfg.store is not None else None
+    except StartupError:
+        await server.stop(0)
+        await peers.close()
+        engine.close()
+        await transfer.close()
+        raise
     if store is not None:
         worker.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
@@ -101,16 +108,22 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
                              security, snapshot)
     tasks = [*membership.start(), spawn(service.expire_reservations(), "reservations")]
     server.install_signal_handlers()
-    print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}; "
-          f"security: {security.mode}", flush=True)
-    sd_notify("READY=1")
-    exit_code = await _until_stop_or_death(server, engine, membership, cfg.name)
+    # a conductor that never accepts us (not running, a wrong address or secret) is the user's to fix:
+    # one line and exit 1 rather than an engine that serves nobody (systemd restarts it later)
+    unjoined = await membership.joined(cfg.join_timeout_s) if cfg.join_timeout_s else None
+    if unjoined is None:
+        print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}; "
+              f"security: {security.mode}", flush=True)
+        sd_notify("READY=1")
+        exit_code = await _until_stop_or_death(server, engine, membership, cfg.name)
+    else:
+        exit_code = 1
 
     # drain: take no new work, finish what is in flight, abort the rest, leave the cluster
     sd_notify("STOPPING=1")
     _exit_hard_after(cfg.drain_timeout_s + STOP_MARGIN_S, cfg.name)
     worker.draining = True
-    if engine.driver_failure is None:
+    if unjoined is None and engine.driver_failure is None:
         log.info("%s draining (up to %.0fs)", cfg.name, cfg.drain_timeout_s)
         deadline = time.monotonic() + cfg.drain_timeout_s
         while not worker.idle() and time.monotonic() < deadline:
@@ -132,6 +145,8 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     if store is not None:
         await store.close()
     await transfer.close()
+    if unjoined is not None:
+        raise StartupError(unjoined)
     log.info("%s stopped", cfg.name)
     return exit_code
 
@@ -196,25 +211,30 @@ def _dying_hook(inner, steps: int):
 
 
 async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine, security: Security):
-    """Join the KV pool; a store master that stays unreachable leaves us serving without it.
+    """Join the KV pool, waiting up to --join-timeout-s for its master (0: for ever).
 
-    Not fatal: a cluster's processes start in any order, so the master may come up after us.
-    One warning says so (naming --store); the rest of the retries are quiet."""
+    A cluster's processes start in any order, so the master may come up after us: one warning says
+    so (naming --store), the rest of the retries are quiet. A master that never answers is the
+    user's to fix (not running, a wrong address or secret): a `StartupError`, not an engine that
+    quietly serves without the pool it was told to use."""
     from mooncaked.store import StoreClient, StoreClientConfig, StoreError
 
     store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer, security=security)
-    for attempt in range(30):
+    deadline = time.monotonic() + cfg.join_timeout_s
+    attempt = 0
+    while True:
         try:
             await store.start()
             log.info("%s joined the KV pool at %s (DRAM %d bytes, LMDB %s)", cfg.name, cfg.store,
                      cfg.store_dram_bytes, cfg.store_lmdb_path or "none")
             return store
         except StoreError as e:
+            if cfg.join_timeout_s and time.monotonic() >= deadline:
+                await store.close()
+                raise StartupError(f"the store master {cfg.store} (--store) did not take this engine within "
+                                   f"{cfg.join_timeout_s:g}s: {e}; start it or fix the address or secret "
+                                   f"(--join-timeout-s sets the wait)") from e
             if attempt == 0:
-                log.warning("store master %s (--store) is not reachable yet (%s); retrying for 30s, then serving "
-                            "without the KV pool", cfg.store, e)
-            if attempt == 29:
-                log.error("store master %s unreachable (%s); serving without the KV pool", cfg.store, e)
+                log.warning("store master %s (--store) is not reachable yet (%s); retrying", cfg.store, e)
+            attempt += 1
             await asyncio.sleep(1.0)
-    return None
-

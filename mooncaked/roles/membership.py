@@ -137,6 +137,8 @@ class Membership:
         self._warned = False
         self._failing = False  # heartbeats fail: said once, then quiet until one gets through
         self._refused = ""  # the conductor's last refusal, logged once until it changes
+        self.last_error = ""  # why the last try failed, for a startup that gives up (`Memberships.joined`)
+        self.registered_event = asyncio.Event()
 
     async def run(self) -> None:
         while True:
@@ -146,6 +148,7 @@ class Membership:
                     log.info("heartbeats reach conductor %s again", self.conductor)
                 self._failing = False
             except grpc.aio.AioRpcError as e:
+                self.last_error = f"{e.code().name}: {e.details()}" if e.details() else e.code().name
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.ALREADY_EXISTS):
                     # a wrong secret, or our name still held by a live instance elsewhere (a restart
                     # at a new address, before the old one is counted dead): say so once, keep trying
@@ -170,6 +173,7 @@ class Membership:
             reply = await self.stub.Register(self._register(), timeout=RPC_TIMEOUT_S)
             self.interval_s = reply.heartbeat_interval_s or self.interval_s
             self.registered = True
+            self.registered_event.set()
             log.info("registered with conductor %s", self.conductor)
             await self.feed.resync(self.backlog)
         hb = self.feed.beat(self.backlog)
@@ -209,10 +213,29 @@ class Memberships:
     def start(self) -> list[asyncio.Task]:
         return [spawn(m.run(), f"membership-{m.conductor}") for m in self.members]
 
+    async def joined(self, timeout_s: float) -> str | None:
+        """Wait until some conductor accepted our registration: None, or after ``timeout_s`` the one
+        line that says which conductors did not and why (a startup the user can fix: a conductor
+        not running, a wrong address or secret). Later losses of a conductor are not startup errors:
+        memberships keep retrying for the life of the process."""
+        waits = [asyncio.ensure_future(m.registered_event.wait()) for m in self.members]
+        try:
+            done, _ = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if done:
+            return None
+        why = "; ".join(f"{m.conductor} {m.last_error or 'did not answer'}" for m in self.members)
+        return (f"no conductor accepted this engine within {timeout_s:g}s (--conductor: {why}); "
+                f"start the conductor or fix the address or secret (--join-timeout-s sets the wait)")
+
     async def deregister(self, name: str, timeout_s: float) -> None:
         """Leave every conductor at once; one that does not answer in ``timeout_s`` delays no other."""
 
         async def leave(m: Membership) -> None:
+            if not m.registered and not m.registered_event.is_set():
+                return  # it never took us: nothing to leave, and no warning about a conductor that is not there
             try:
                 await asyncio.wait_for(m.deregister(name), timeout_s)
             except asyncio.TimeoutError:

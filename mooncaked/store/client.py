@@ -166,6 +166,13 @@ class StoreClient:
                              self._lmdb_thread, self.journal, remounted=self._report_soon,
                              changing=self._master_changing)
         await self.mounts.mount_all()
+        if self.dram is None and self.lmdb is None:
+            # it lends nothing, so mounting asked the master nothing: ask it once, so that a master that
+            # is not there is found now (a startup error the user can fix), not at the first get
+            try:
+                await self.stub.Describe(store_pb2.DescribeRequest(), timeout=cfg.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise from_rpc_error(e, "describe") from None
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
                                      self.mounts.request_remount, self._lmdb_thread, self.journal)
