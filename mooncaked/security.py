@@ -40,10 +40,10 @@ TOKEN_METADATA = "x-mooncaked-token"
 TOKEN_HEADER = "X-Mooncaked-Token"  # the same secret on the HTTP front's KV-indexer writes
 MIN_TOKEN_CHARS = 16
 # methods anyone who reached the port (with a certificate, under TLS) may call: the
-# client-facing ones (Generate checks the API key itself, below) and read-only health
+# client-facing Generate (it checks the API key itself, below) and read-only health. Not Status:
+# it lists every instance's, conductor's and store master's address (operators' screen, with the secret)
 OPEN_METHODS = frozenset({
     "/mooncake.v1.Conductor/Generate",
-    "/mooncake.v1.Conductor/Status",
     "/grpc.health.v1.Health/Check",
     "/grpc.health.v1.Health/Watch",
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",

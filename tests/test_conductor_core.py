@@ -122,6 +122,16 @@ async def test_every_prefill_dead_is_unavailable_naming_the_failure(cluster):
     assert err.value.role == "prefill" and "p1" in str(err.value) and "connection refused" in str(err.value)
 
 
+async def test_no_decode_at_all_is_unavailable_naming_the_decode_role(cluster):
+    """A prefill serves but no decode was ever registered: the error says it is the decode that is
+    missing (a full decode makes the request wait instead: tests/test_decode_faults.py)."""
+    p1 = await cluster.serve("p1", "prefill")
+    with pytest.raises(errors.NoInstance) as err:
+        _ = [c async for c in cluster.conductor.generate(GenerateSpec(token_ids=PROMPT, sampling=_params(4)))]
+    assert err.value.role == "decode" and "decode" in str(err.value), err.value
+    assert p1.calls["prefill"] == 0  # nothing was computed for a request that could not be decoded
+
+
 async def test_a_client_that_leaves_mid_stream_frees_the_decode_blocks(cluster):
     await cluster.serve("p1", "prefill")
     d1 = await cluster.serve("d1", "decode")

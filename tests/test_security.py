@@ -144,6 +144,28 @@ def _targets(c: SecureCluster) -> dict[str, str]:
             "d1": f"127.0.0.1:{c.ports['d1']}"}
 
 
+SERVICES = {"conductor": "mooncake.v1.Conductor", "store": "mooncake.v1.StoreMaster", "p1": "mooncake.v1.Engine",
+            "d1": "mooncake.v1.Engine"}
+
+
+def _every_method(role: str) -> list[tuple[str, bool]]:
+    """(full method name, whether the server streams) of every method of the role's service."""
+    from google.protobuf import descriptor_pool
+
+    service = descriptor_pool.Default().FindServiceByName(SERVICES[role])
+    return [(f"/{service.full_name}/{m.name}", m.server_streaming) for m in service.methods]
+
+
+async def _raw_any(channel: grpc.aio.Channel, method: str, streaming: bool) -> None:
+    """Call ``method`` with an empty request, reading a streamed answer through."""
+    if streaming:
+        call = channel.unary_stream(method, request_serializer=None, response_deserializer=None)
+        async for _ in call(b"", timeout=5):
+            pass
+    else:
+        await channel.unary_unary(method, request_serializer=None, response_deserializer=None)(b"", timeout=5)
+
+
 def _calls(role: str) -> list[tuple[str, bytes]]:
     """(method, serialized request) a client might try on a role: its service's and health."""
     if role == "conductor":
@@ -167,12 +189,18 @@ async def test_no_method_of_any_role_answers_without_a_certificate_the_ca_signed
     other = Security.load(str(secure.other.cert), str(secure.other.key), str(secure.pki.ca),
                           str(secure.token))  # the right CA to check the server, a certificate it did not sign
     for role, address in _targets(secure).items():
+        no_cert = grpc.ssl_channel_credentials(root_certificates=secure.pki.ca.read_bytes())  # TLS, no client cert
         for label, channel in (("plaintext", grpc.aio.insecure_channel(address)),
-                               ("foreign certificate", other.channel(address))):
+                               ("foreign certificate", other.channel(address)),
+                               ("no client certificate", grpc.aio.secure_channel(address, no_cert))):
             async with channel:
                 for method, body in _calls(role):
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         await _raw_call(channel, method, body)
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (role, label, method, e.value)
+                for method, streaming in _every_method(role):  # every other method of the service too
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await _raw_any(channel, method, streaming)
                     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, (role, label, method, e.value)
         # the same calls with the cluster's certificate and token are answered (the open ones at least)
         async with secure.security.channel(address) as ch:
@@ -182,10 +210,19 @@ async def test_no_method_of_any_role_answers_without_a_certificate_the_ca_signed
 async def test_a_certificate_without_the_secret_cannot_register_drain_reserve_or_touch_the_store(secure):
     certified = Security.load(str(secure.pki.cert), str(secure.pki.key), str(secure.pki.ca))  # no token
     t = _targets(secure)
+    # every method of every role but the client's Generate is refused, before its request is parsed
+    for role, address in t.items():
+        async with certified.channel(address) as ch:
+            for method, streaming in _every_method(role):
+                if method == "/mooncake.v1.Conductor/Generate":
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await _raw_any(ch, method, streaming)
+                assert e.value.code() == UNAUTH, (role, method, e.value)
     async with certified.channel(t["conductor"]) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
-        await stub.Status(conductor_pb2.StatusRequest(), timeout=5)  # open: the cluster's screen
-        for name, req in (("Register", conductor_pb2.RegisterRequest(name="p1", role=common_pb2.ROLE_PREFILL,
+        for name, req in (("Status", conductor_pb2.StatusRequest()),  # it lists every address in the cluster
+                          ("Register", conductor_pb2.RegisterRequest(name="p1", role=common_pb2.ROLE_PREFILL,
                                                                       address="127.0.0.1:1")),
                           ("Heartbeat", conductor_pb2.HeartbeatRequest(name="p1")),
                           ("Deregister", conductor_pb2.DeregisterRequest(name="p1")),

@@ -67,6 +67,9 @@ class Reservation:
     endpoint: TransferEndpoint
     layout: KVLayout
     ttl_s: float = 0.0  # given back unless renewed within this long (0: never expires)
+    # the decode's Engine address: the prefill writing these blocks renews the reservation there itself
+    # and writes only while its own renewal is fresh (the write fence, instance/prefill.py); "": no fence
+    engine_address: str = ""
 
 
 @dataclass

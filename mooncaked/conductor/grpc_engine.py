@@ -134,7 +134,8 @@ class GrpcEngineLink(EngineLink):
         request = engine_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling),
             decode_endpoint=endpoint_to_proto(target.endpoint), decode_block_ids=target.block_ids,
-            decode_layout=layout_to_proto(target.layout), plan=plan_to_proto(plan) if plan is not None else None)
+            decode_layout=layout_to_proto(target.layout), plan=plan_to_proto(plan) if plan is not None else None,
+            decode_address=target.engine_address, decode_ttl_s=target.ttl_s)
         try:
             r = await self.stub.Prefill(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:

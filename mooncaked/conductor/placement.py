@@ -106,6 +106,7 @@ class Placement:
                     self.registry.mark_lost(decode, f"Reserve failed: {e.kind}")
                 failures += 1
                 continue
+            reserved.engine_address = decode.address  # the prefill renews it there while it writes
             lease = DecodeLease(decode, eid, reserved)
             lease.start()
             prefill = route.prefill

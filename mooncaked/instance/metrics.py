@@ -24,6 +24,10 @@ PLAN_DEVIATIONS = Counter(
 PLAN_BLOCKS = Counter("mooncaked_plan_blocks",
                       "Prompt blocks a prefill took instead of computing, by source (local, pool, peer).",
                       ["source"])
+PUSHES_FENCED = Counter(
+    "mooncaked_kv_push_fenced",
+    "KV pushes a prefill stopped before a write because the decode's reservation might have been freed (the write "
+    "fence: its own renewal lapsed, or the decode no longer holds it); the prefill failed instead of writing.")
 LENT_BLOCKS = Counter("mooncaked_lent_blocks", "Cached KV blocks this instance lent peers to read.")
 
 

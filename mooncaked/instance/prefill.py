@@ -23,6 +23,8 @@ from mooncaked.engine.llm_engine import EngineStoppedError, StepSeq
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.prefix_fetch import Prepared, PrefixFetch
+from mooncaked.instance.write_fence import WriteFence
+from mooncaked.tasks import spawn
 from mooncaked.transfer import TransferError
 
 if TYPE_CHECKING:
@@ -72,8 +74,9 @@ class Prefiller:
         w.check("prefill")
         self._check(rid, prompt, params, target)
         loop = asyncio.get_running_loop()
+        fence = self._fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
-                      len(prompt), self.layerwise)
+                      len(prompt), self.layerwise, allows=fence.allows, why_closed=fence.why_closed)
         first: asyncio.Future[Output] = loop.create_future()
 
         def sink(out: Output) -> None:
@@ -82,10 +85,20 @@ class Prefiller:
 
         # the prefill samples only the first token; min_tokens still keeps it from being EOS
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        prepared = await self.fetch.prepare(prompt, plan)
+        renewed = asyncio.ensure_future(fence.renew()) if fence.active else None
+        try:
+            prepared = await self.fetch.prepare(prompt, plan)
+        except BaseException:
+            if renewed is not None:
+                renewed.cancel()
+            raise
         if w.was_aborted(rid):  # its Abort overtook it: no byte may go to the decode blocks it names
             await self.fetch.give_back(prepared)
             raise EngineError(CANCELLED, f"request {rid!r} was aborted")
+        if renewed is not None and not await renewed:  # the decode cannot confirm the blocks are still ours
+            await self.fetch.give_back(prepared)
+            raise EngineError(CANCELLED if fence.gone else ABORTED, fence.why_closed())
+        keeper = spawn(fence.keep(), f"fence-{rid}") if fence.active else None
         self.pushes[rid] = push
         ended = self.ended[rid] = asyncio.Event()
         self.queued_tokens += len(prompt)
@@ -120,6 +133,8 @@ class Prefiller:
         finally:
             self.inflight -= 1
             self.queued_tokens -= len(prompt)
+            if keeper is not None:
+                keeper.cancel()
             try:
                 if added and not first.done():
                     self.engine.abort(rid)  # the caller went away mid-prefill
@@ -133,6 +148,12 @@ class Prefiller:
             finally:
                 self.ended.pop(rid, None)
                 ended.set()
+
+    def _fence(self, rid: str, target: Reservation) -> WriteFence:
+        """The write fence on ``target``, renewed through the decode's Engine (none without its address)."""
+        peers = self.worker.peers
+        link = peers(target.engine_address) if peers is not None and target.engine_address else None
+        return WriteFence(link, rid, target.ttl_s)
 
     def _write_back(self, prompt: list[int], block_table: list[int], prepared: Prepared,
                     plan: PrefillPlan | None) -> bool:

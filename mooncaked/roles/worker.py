@@ -146,7 +146,8 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         try:
             params = sampling_from_proto(request.sampling)
             target = Reservation(list(request.decode_block_ids), endpoint_from_proto(request.decode_endpoint),
-                                 layout_from_proto(request.decode_layout))
+                                 layout_from_proto(request.decode_layout), request.decode_ttl_s,
+                                 request.decode_address)
             plan = plan_from_proto(request.plan) if request.HasField("plan") else None
             result = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, target,
                                                plan)

@@ -44,7 +44,7 @@ class RenewReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "plan")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "plan", "decode_address", "decode_ttl_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,8 @@ class PrefillRequest(_message.Message):
     DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -59,7 +61,9 @@ class PrefillRequest(_message.Message):
     decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
     decode_layout: _common_pb2.KVLayout
     plan: PrefillPlan
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ...) -> None: ...
+    decode_address: str
+    decode_ttl_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillPlan(_message.Message):
     __slots__ = ("reuse_blocks", "pull_from", "pull_blocks", "pull_address", "replicate", "pool_fallback")

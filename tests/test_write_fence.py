@@ -1,0 +1,98 @@
+"""The write fence (issue 12): a prefill writes into a decode's reserved blocks only while its own
+renewal of that reservation is fresh, so a prefill the conductor gave up on (stopped, cut off,
+stuck) never writes into blocks the decode freed at their TTL and handed to another request.
+
+In-process (inproc_cluster.py): real engines, real transfer engines on loopback. The decode's
+reservation lives 0.6 s unrenewed; the prefill's renewals reach the decode through a link that
+can be cut, and the prefill's engine thread is slowed per layer, as a stopped process would be.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from inproc_cluster import Cluster
+from mooncaked.conductor.engine_link import ABORTED, CANCELLED, UNAVAILABLE, EngineError
+from mooncaked.engine import SamplingParams
+from mooncaked.instance import metrics
+from mooncaked.instance.local_link import LocalEngineLink
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = list(range(20, 60))
+TTL_S = 0.6  # the fence then stays open 0.4 s after each renewal (a margin of a third of the TTL)
+
+
+class CutRenewals(LocalEngineLink):
+    """The decode's link as the prefill sees it: renewals answer ``answers`` times, then fail."""
+
+    def __init__(self, worker, answers: int) -> None:
+        super().__init__(worker)
+        self.answers = answers
+        self.renewals = 0
+
+    async def renew(self, request_id, timeout_s):
+        self.renewals += 1
+        if self.renewals > self.answers:
+            raise EngineError(UNAVAILABLE, "cut off")
+        return await super().renew(request_id, timeout_s)
+
+
+@pytest.fixture
+async def cluster(tiny_model_factory):
+    _, folder = tiny_model_factory("llama")
+    c = Cluster(folder)
+    yield c
+    await c.close()
+
+
+def _fenced() -> float:
+    return metrics.PUSHES_FENCED._value.get()
+
+
+async def test_a_prefill_whose_renewals_lapse_writes_no_more_and_fails(cluster):
+    p1 = await cluster.serve("p1", "prefill")
+    d1 = await cluster.serve("d1", "decode")
+    d1.worker.decoder.ttl_s = TTL_S
+    params = SamplingParams(max_tokens=4)
+    cut = CutRenewals(d1.worker, answers=1)  # the renewal before the prefill starts, then nothing
+    p1.worker.peers = lambda address: cut
+    inner = p1.engine.layer_hook
+
+    def stalled(layer, seqs):  # the engine thread stalls before each layer's push, as a stopped process
+        time.sleep(0.5)
+        inner(layer, seqs)
+
+    p1.engine.layer_hook = stalled
+    target = await d1.reserve("r1", PROMPT, params, 5.0)
+    target.engine_address = "inproc:d1"
+    before = _fenced()
+    with pytest.raises(EngineError) as err:
+        await p1.prefill("r1", PROMPT, params, target, 30.0)
+    assert err.value.kind == ABORTED, err.value
+    assert "was not renewed" in err.value.detail and "cut off" in err.value.detail, err.value.detail
+    assert _fenced() == before + 1
+    assert cut.renewals >= 2
+    # the same instance serves the next request, its renewals answered
+    p1.engine.layer_hook = inner
+    p1.worker.peers = cluster.fabric.get
+    target = await d1.reserve("r2", PROMPT, params, 5.0)
+    target.engine_address = "inproc:d1"
+    result = await p1.prefill("r2", PROMPT, params, target, 30.0)
+    assert result.first_token_id >= 0 and _fenced() == before + 1
+
+
+async def test_a_reservation_the_decode_no_longer_holds_is_not_written_at_all(cluster):
+    p1 = await cluster.serve("p1", "prefill")
+    d1 = await cluster.serve("d1", "decode")
+    params = SamplingParams(max_tokens=4)
+    target = await d1.reserve("r3", PROMPT, params, 5.0)
+    target.engine_address = "inproc:d1"
+    await d1.abort("r3", 5.0)  # freed: its blocks may be someone else's by now
+    computed = p1.engine.stats().prefill_tokens_computed
+    with pytest.raises(EngineError) as err:
+        await p1.prefill("r3", PROMPT, params, target, 30.0)
+    assert err.value.kind == CANCELLED and "no longer holds" in err.value.detail, err.value
+    assert p1.engine.stats().prefill_tokens_computed == computed  # refused before computing or pushing
