@@ -394,6 +394,12 @@ async def test_cluster_survives_a_killed_a_frozen_and_a_cut_off_leader(tiny_mode
                                                  text=True, timeout=60)).stdout)
         assert js["ha"]["leader"]["name"] == "s1b" and [m["name"] for m in js["ha"]["standbys"]] == ["s2"]
         assert js["objects"] >= len(stream.committed)
+        # the conductor followed the leader by itself (--store etcd://...): its screen shows the live pool
+        seen = json.loads((await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mooncaked.ctl",
+                                                                    "--conductor", c.conductor, "status", "--json"],
+                                                   capture_output=True, text=True, timeout=60)).stdout)
+        assert seen["store"]["reachable"] is True, seen["store"]
+        assert seen["store"]["objects"] >= len(stream.committed), seen["store"]
         scraped = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port('s1b')}/metrics", timeout=5).read().decode()
         assert "mooncaked_store_is_leader 1.0" in scraped
         assert 'mooncaked_store_leader_changes_total{change="elected"} 1.0' in scraped

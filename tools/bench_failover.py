@@ -366,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
             out["store_bench"] = store_bench(args.quick, args.ttl, workdir, args.store_bench_backend)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    rc = 0 if out["lost_objects"] == 0 else 1  # a lost committed object is a failure, not a figure
     if args.json:
         print(json.dumps(out))
-        return 0
+        return rc
     print(f"{out['failovers']} failovers (kill -9 the leader; etcd lease TTL {out['etcd_lease_ttl_s']}s), "
           f"{out['clients']} clients streaming puts and gets of {OBJECT_BYTES >> 10} KiB objects")
     for key in ("elected_s", "failover_s", "rebuild_s"):
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                   + f"; aims (put >= 3x, get >= 2x) {'met' if sb['meets_aims_with_ha'] else 'NOT met'}")
         else:
             print(sb.get("baseline", ""))
-    return 0
+    return rc
 
 
 if __name__ == "__main__":
