@@ -76,7 +76,9 @@ class Catalog:
         self.clients: dict[str, Client] = {}
         self.tasks: dict[int, Task] = {}
         self.pending: dict[str, None] = {}  # uncommitted keys, oldest PutStart first
-        self._deferred: list[tuple[float, int, Segment, int, int]] = []  # (due, seq, seg, offset, size)
+        # (due, seq, seg, offset, size, held): bytes freed later (a read lease; or held: a dropped place's
+        # writer may still write, counted as leaving the segment meanwhile)
+        self._deferred: list[tuple[float, int, Segment, int, int, bool]] = []
         # task ids unlike any other master's: one that a master now gone (restarted, or deposed under
         # HA) handed out must be unknown here, never taken for one of ours
         self._seq = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
@@ -235,17 +237,23 @@ class Catalog:
         if seg is not None and seg.medium == "dram":
             self.landed(obj, rep, seg)
 
-    def drop_copy(self, obj: ObjectMeta, rep: Replica, send_delete: bool = True) -> None:
-        """Remove one copy (a leased DRAM copy's bytes stay reserved until the lease ends); the object
-        goes with its last complete copy."""
+    def drop_copy(self, obj: ObjectMeta, rep: Replica, send_delete: bool = True, hold_until: float = 0.0) -> None:
+        """Remove one copy (a leased DRAM copy's bytes stay reserved until the lease ends, and a DRAM place
+        dropped while its writer may still write into it until ``hold_until``); the object goes with its
+        last complete copy."""
         obj.replicas.remove(rep)
         seg = self.segments.get(rep.segment)
         if seg is not None:
             seg.keys.pop(obj.key, None)
             if seg.medium == "dram" and rep.complete:
                 self.hooks.journal(seg.owner, obj.key, rep.offset, 0, 0)
-            if seg.medium == "dram" and obj.lease_until > self.clock():
-                heapq.heappush(self._deferred, (obj.lease_until, next(self._seq), seg, rep.offset, rep.size))
+            now = self.clock()
+            if seg.medium == "dram" and hold_until > now:
+                seg.leaving_bytes += rep.size  # freed at hold_until: eviction counts it as on its way out
+                heapq.heappush(self._deferred, (max(hold_until, obj.lease_until), next(self._seq), seg, rep.offset,
+                                                rep.size, True))
+            elif seg.medium == "dram" and obj.lease_until > now:
+                heapq.heappush(self._deferred, (obj.lease_until, next(self._seq), seg, rep.offset, rep.size, False))
             else:
                 seg.alloc.free(rep.offset, rep.size)
             if seg.medium == "lmdb" and rep.complete and send_delete:
@@ -255,14 +263,14 @@ class Catalog:
         else:
             self._announce(obj)  # e.g. a demoted object's DRAM copy went: LMDB only now
 
-    def forget(self, obj: ObjectMeta) -> None:
-        """Remove an object and every copy of it."""
+    def forget(self, obj: ObjectMeta, hold_until: float = 0.0) -> None:
+        """Remove an object and every copy of it (DRAM bytes held until ``hold_until``: see drop_copy)."""
         if self.objects.get(obj.key) is not obj:
             return
         del self.objects[obj.key]
         self.pending.pop(obj.key, None)
         for rep in list(obj.replicas):
-            self.drop_copy(obj, rep)
+            self.drop_copy(obj, rep, hold_until=hold_until)
         if obj.committed:
             metrics.OBJECTS.dec()
         if obj.medium:
@@ -272,9 +280,11 @@ class Catalog:
     def free_lapsed(self, now: float) -> None:
         """Give back the bytes of dropped copies whose read leases have ended."""
         while self._deferred and self._deferred[0][0] <= now:
-            _, _, seg, offset, size = heapq.heappop(self._deferred)
+            _, _, seg, offset, size, held = heapq.heappop(self._deferred)
             if self.segments.get(seg.name) is seg:
                 seg.alloc.free(offset, size)
+                if held:
+                    seg.leaving_bytes = max(0, seg.leaving_bytes - size)
 
     def _announce(self, obj: ObjectMeta) -> None:
         """Tell pool watchers where a committed object is readable, if that changed (after its copies did)."""

@@ -77,9 +77,10 @@ def drop_places_ahead(cat: Catalog, seg: Segment, enough: Callable[[], bool]) ->
 
 
 def free_now(cat: Catalog, seg: Segment, size: int) -> Decisions[bool]:
-    """Make a `size`-byte hole at once: places reserved ahead first, then copies that lose nothing
-    (or that policy drops). Returns whether the segment has the hole now."""
-    yield from drop_places_ahead(cat, seg, lambda: seg.alloc.fits(size))
+    """Make a `size`-byte hole at once: copies that lose nothing (or that policy drops). Not places
+    reserved ahead: a dropped place is free again only after its writer's window (records.
+    DROPPED_PLACE_HOLD_S), so it makes no hole now; the watermark's round gives those up first.
+    Returns whether the segment has the hole now."""
     lmdb = cat.tier_of(seg.owner, "lmdb") if seg.medium == "dram" else None
     for pinned in (False, True):
         for obj, rep in _candidates(cat, seg, pinned):

@@ -39,7 +39,7 @@ from mooncaked.store.decisions import (
 )
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound
 from mooncaked.store.records import (
-    FRESH_DRAM_HOLD_S, MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
+    DROPPED_PLACE_HOLD_S, FRESH_DRAM_HOLD_S, MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
     PromotionPending, PutPlan, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
 )
 
@@ -522,7 +522,9 @@ class StoreMaster:
                 self.evictions += 1
                 metrics.EVICTIONS.labels(d.segment.medium, "drop").inc()
         elif isinstance(d, DropPlace):
-            cat.forget(d.obj)
+            # its writer may be writing into it for PLACE_USE_S after the master answered: the bytes are
+            # handed out again only once no such write can land (a new object's bytes would be overwritten)
+            cat.forget(d.obj, hold_until=self.clock() + DROPPED_PLACE_HOLD_S)
         elif isinstance(d, Complete):
             cat.complete(d.obj, d.replica)
             if d.lease:

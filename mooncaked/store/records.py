@@ -29,6 +29,9 @@ RESERVED_PREFIX = "\x00reserved/"  # internal keys of places reserved ahead (a N
 # place can then never land on a new object's bytes (puts meanwhile go to the writer's LMDB tier).
 PLACE_USE_S = 0.5
 FRESH_DRAM_HOLD_S = PLACE_USE_S + 0.5  # + what a write begun at the last moment takes to land
+# The same for one place the master drops itself (eviction gives up places ahead first): its bytes
+# are free again only this long after, when no write of its writer can still land there.
+DROPPED_PLACE_HOLD_S = FRESH_DRAM_HOLD_S
 
 
 def checksum(data: object) -> int:
