@@ -76,15 +76,20 @@ async def test_prefix_in_prefill_cache_computes_only_new_blocks(cluster):
     async with grpc.aio.insecure_channel(cluster.conductor) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
         first_ids, first = await _generate(stub, _request(base + [7, 8]))
-        p = first[0].prefill_instance
         await asyncio.sleep(1.0)  # let the KV events reach the conductor's index
-        before = await _prefill_stats(cluster, p)
+        prefills = ("p1", "p2")
+        before = {n: await _prefill_stats(cluster, n) for n in prefills}
         tail = random_prompts([10], seed=42)[0]
         ids, chunks = await _generate(stub, _request(base + tail))
-        after = await _prefill_stats(cluster, p)
-    assert chunks[0].prefill_instance == p  # routed to the instance holding the prefix
+        after = {n: await _prefill_stats(cluster, n) for n in prefills}
+    # Algorithm 1 sends it to the holder, or (when the holder's measured step times make it look slower,
+    # as under a loaded machine) to the other prefill, which pulls the prefix: either way the prefix is
+    # not computed again, only the 10 new tokens, on the instance that served it
     assert chunks[0].num_cached_tokens == 48  # 12 full blocks of 4
-    assert after.prefill_tokens_computed - before.prefill_tokens_computed == 10
+    computed = {n: after[n].prefill_tokens_computed - before[n].prefill_tokens_computed for n in prefills}
+    assert computed[chunks[0].prefill_instance] == 10 and sum(computed.values()) == 10, (first[0].prefill_instance,
+                                                                                          chunks[0].prefill_instance,
+                                                                                          computed)
     cold = Engine.from_pretrained(cluster.model, block_size=4, kv_cache_bytes=8 << 20)
     assert ids == cold.generate([base + tail], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
 
