@@ -6,8 +6,10 @@ from mooncaked.engine.scheduler import Scheduler
 from mooncaked.engine.sequence import Sequence, SeqStatus
 
 
-def _seq(rid: str, n: int) -> Sequence:
-    return Sequence(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100, ignore_eos=True))
+def _seq(rid: str, n: int, tokens: list[int] | None = None) -> Sequence:
+    """A sequence whose prompt is its own (unless ``tokens``): prompts sharing blocks change admission."""
+    base = 1 + 1000 * (sum(map(ord, rid)) % 97)
+    return Sequence(rid, tokens or list(range(base, base + n)), SamplingParams(max_tokens=100, ignore_eos=True))
 
 
 def _run_step(sched: Scheduler, plan, token: int = 7) -> None:
@@ -81,3 +83,44 @@ def test_finish_releases_blocks():
     assert bm.num_free_blocks == 6
     sched.finish(a, "abort")
     assert bm.num_free_blocks == 8 and a.finished and not sched.has_work()
+
+
+def test_a_prompt_whose_prefix_another_is_computing_waits_and_then_hits_it():
+    """Two prompts sharing 3 blocks arrive together: the second is not admitted while the first
+    computes those blocks (it would compute them twice), the one behind it is; once the first has
+    committed them, the second is admitted with them from the prefix cache."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
+    shared = list(range(500, 512))  # 3 blocks of 4
+    a = _seq("a", 0, shared + [1, 2])
+    b = _seq("b", 0, shared + [3, 4, 5])
+    other = _seq("other", 3)
+    for s in (a, b, other):
+        sched.add(s)
+    plan = sched.schedule()  # a takes the whole budget (8 of its 14 tokens)
+    assert [x.seq.request_id for x in plan.scheduled] == ["a"]
+    _run_step(sched, plan)
+    plan = sched.schedule()  # a goes on (6 tokens); b waits, keeping its place; other is admitted
+    assert [x.seq.request_id for x in plan.scheduled] == ["a", "other"]
+    assert [x.request_id for x in sched.waiting] == ["b"]
+    _run_step(sched, plan)  # a has computed all 12 shared tokens: its blocks are committed
+    plan = sched.schedule()
+    assert "b" in [x.seq.request_id for x in plan.scheduled]
+    assert b.num_cached_tokens == len(shared)  # the prefix came from the cache, not computed again
+
+
+def test_without_the_wait_both_would_compute_the_prefix():
+    """The same two prompts, the first already past the shared blocks: no wait, a cache hit at once;
+    and a prompt sharing less than one block with a running one is never held back."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _seq("a", 0, list(range(500, 514)))
+    sched.add(a)
+    _run_step(sched, sched.schedule())
+    near = _seq("near", 0, [500, 501, 502, 999, 1000])  # 3 shared tokens: less than a block
+    b = _seq("b", 0, list(range(500, 512)) + [7])
+    sched.add(near)
+    sched.add(b)
+    plan = sched.schedule()
+    assert {x.seq.request_id for x in plan.scheduled} == {"a", "near", "b"}
+    assert b.num_cached_tokens == 12 and near.num_cached_tokens == 0

@@ -111,12 +111,41 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self._prefix_in_flight(seq):
+                deferred.append(self.waiting.popleft())  # keeps its place; the ones behind it may go
+                continue
             if not self._admit(seq, budget, out):
                 break
             budget -= out.scheduled[-1].num_new_tokens
+        self.waiting.extendleft(reversed(deferred))
         return out
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running prefill is computing blocks of ``seq``'s prompt that are not cached yet.
+
+        Admitted now, ``seq`` would compute them a second time in the same steps; waiting costs it
+        nothing (the same engine computes them either way) and its admission then hits them in the
+        prefix cache, once the other sequence has committed them. Whole blocks only, as the prefix
+        cache holds them; the waiting ends when that sequence passes them, finishes or leaves."""
+        if not self.bm.enable_prefix_caching or seq.imported_blocks:
+            return False
+        bs = self.bm.block_size
+        tokens = seq.all_token_ids
+        limit = (seq.num_tokens - 1) // bs * bs  # as match_prefix: the last token is always computed
+        for r in self.running:
+            done = r.num_computed_tokens // bs * bs
+            prompt = r.prompt_token_ids
+            if done >= min(limit, len(prompt)) or prompt[:bs] != tokens[:bs]:
+                continue
+            shared = 0
+            while shared + bs <= min(limit, len(prompt)) and prompt[shared:shared + bs] == tokens[shared:shared + bs]:
+                shared += bs
+            if shared > done:
+                return True
+        return False
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         bs = self.bm.block_size
