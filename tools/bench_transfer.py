@@ -335,12 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "block_bytes": block,
         "reps": reps,
         "cluster_secret": bool(token),
-        "unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
-        "best_gbps": {k: round(v, 3) for k, v in best.items()},
-        "median_gbps": {k: round(v, 3) for k, v in median.items()},
-        "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
-        "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
-        "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
+        **_tcp_figures(best, median),
         "shm_vs_memcpy": round(best["shm"] / memcpy, 3),
         "tcp_verified": tcp_ok,
         "shm_verified": shm_ok,
@@ -373,6 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _tcp_figures(best: dict[str, float], median: dict[str, float]) -> dict[str, Any]:
+    """The figures both modes report: GB/s best and median, and the tcp rows against the socket."""
+    return {"unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
+            "best_gbps": {k: round(v, 3) for k, v in best.items()},
+            "median_gbps": {k: round(v, 3) for k, v in median.items()},
+            "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
+            "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
+            "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3)}
+
+
 def contention_main(total: int, block: int, reps: int, token: bytes | None, as_json: bool) -> int:
     """--contention: the tcp rows under load; the ratio tcp/socket is what the data plane must hold."""
     load = Contention()
@@ -387,12 +392,7 @@ def contention_main(total: int, block: int, reps: int, token: bytes | None, as_j
         "cluster_secret": bool(token),
         "contention": {"compute_processes": os.cpu_count() or 1, "loop_burn_slice_s": load.BURN_SLICE_S,
                        "loop_slices_burnt": load.slices},
-        "unit": "GB/s (1e9 bytes/s); best and median of interleaved reps",
-        "best_gbps": {k: round(v, 3) for k, v in best.items()},
-        "median_gbps": {k: round(v, 3) for k, v in median.items()},
-        "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
-        "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
-        "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
+        **_tcp_figures(best, median),
         "tcp_verified": ok,
     }
     if as_json:

@@ -138,10 +138,11 @@ class Scheduler:
         for r in self.running:
             done = r.num_computed_tokens // bs * bs
             prompt = r.prompt_token_ids
-            if done >= min(limit, len(prompt)) or prompt[:bs] != tokens[:bs]:
+            end = min(limit, len(prompt))
+            if done >= end:
                 continue
-            shared = 0
-            while shared + bs <= min(limit, len(prompt)) and prompt[shared:shared + bs] == tokens[shared:shared + bs]:
+            shared = 0  # whole blocks the two prompts share (the first differing block ends it)
+            while shared + bs <= end and prompt[shared:shared + bs] == tokens[shared:shared + bs]:
                 shared += bs
             if shared > done:
                 return True

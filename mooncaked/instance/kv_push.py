@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.llm_engine import StepSeq
 from mooncaked.instance import metrics
+from mooncaked.instance.write_fence import WriteFence
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,7 @@ class KVPush:
     started: float | None = None  # perf_counter of the first push
     seconds: float = 0.0  # first push to last byte acknowledged  # the prefill's blocks for the request, last seen
     closed: bool = False  # set by stop(): no further write starts
-    # the write fence (instance/write_fence.py): whether a write may start now, and why not
-    allows: Callable[[], bool] | None = None
-    why_closed: Callable[[], str] | None = None
+    fence: WriteFence | None = None  # whether a write may start now (instance/write_fence.py)
     fenced: bool = False  # a write was refused by the fence: the push failed
 
     def __post_init__(self) -> None:
@@ -87,13 +85,13 @@ class KVPush:
     def _submit(self, ops: list[TransferOp]) -> None:
         if self.closed:  # the request ended: its decode blocks may be freed, nothing more may land there
             return
-        if self.fenced or (self.allows is not None and not self.allows()):
+        if self.fenced or (self.fence is not None and not self.fence.allows()):
             # the reservation may be freed (and its blocks reused) by now: this push fails, writing nothing more
             if not self.fenced:
                 self.fenced = True
                 metrics.PUSHES_FENCED.inc()
-                log.warning("KV push to %s stopped: %s", self.peer, self.why_closed() if self.why_closed else "fenced")
-                why = self.why_closed() if self.why_closed is not None else "the write fence closed"
+                why = self.fence.why_closed() if self.fence is not None else "the write fence closed"
+                log.warning("KV push to %s stopped: %s", self.peer, why)
                 failed = self.loop.create_future()
                 failed.set_exception(TransferError(why))
                 self.tasks.append(failed)

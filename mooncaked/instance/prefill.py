@@ -76,7 +76,7 @@ class Prefiller:
         loop = asyncio.get_running_loop()
         fence = self._fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
-                      len(prompt), self.layerwise, allows=fence.allows, why_closed=fence.why_closed)
+                      len(prompt), self.layerwise, fence=fence)
         first: asyncio.Future[Output] = loop.create_future()
 
         def sink(out: Output) -> None:

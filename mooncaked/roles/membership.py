@@ -234,7 +234,7 @@ class Memberships:
         """Leave every conductor at once; one that does not answer in ``timeout_s`` delays no other."""
 
         async def leave(m: Membership) -> None:
-            if not m.registered and not m.registered_event.is_set():
+            if not m.registered_event.is_set():
                 return  # it never took us: nothing to leave, and no warning about a conductor that is not there
             try:
                 await asyncio.wait_for(m.deregister(name), timeout_s)
