@@ -524,14 +524,50 @@ class WorkerConfig(RoleConfig):
         )
 
 
+def _stage(value: Any) -> tuple[int, int] | None:
+    """``K/N``: stage K (from 0) of an N-stage CPP group."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        value = f"{value[0]}/{value[1]}"
+    if not isinstance(value, str) or not re.fullmatch(r"\d+/\d+", value.strip()):
+        raise ValueError(f"expected K/N (stage K, from 0, of N), e.g. 0/2, got {value!r}")
+    k, n = (int(x) for x in value.strip().split("/"))
+    if n < 2 or k >= n:
+        raise ValueError(f"expected K/N with N >= 2 and 0 <= K < N, got {value!r}")
+    return k, n
+
+
+CPP_CHUNK_HELP = ("tokens of a prompt a CPP stage computes per step (the pipeline's chunk: each crosses to the "
+                  "next stage as one hand-off of hidden states)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrefillConfig(WorkerConfig):
-    """A prefill engine."""
+    """A prefill engine, alone or one stage of a chunked-pipeline (CPP) group."""
 
     _ROLE = "prefill"
     role: str = _setting("prefill", _choice(ROLES), "the role this process plays", "ROLE")
     listen: HostPort = _setting(HostPort("127.0.0.1", 50061), _address(listening=True),
                                 "HOST:PORT of this role's gRPC server", "HOST:PORT")
+    pipeline_group: str = _setting("", _name, "the CPP prefill group this engine is a stage of (with "
+                                   "--pipeline-stage; default: none, it prefills alone)", "NAME")
+    pipeline_stage: tuple[int, int] | None = _setting(None, _stage, "this engine's stage of its CPP group, K/N "
+                                                      "(K from 0): it loads only its range of the model's layers",
+                                                      "K/N")
+    cpp_chunk_tokens: int = _setting(512, _at_least(_int, 1), CPP_CHUNK_HELP, "N")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.pipeline_group) != (self.pipeline_stage is not None):
+            raise ConfigError("pipeline_group and pipeline_stage go together: name the group and this engine's "
+                              "stage K/N in it")
+
+    def engine_config(self) -> EngineConfig:
+        ec = super().engine_config()
+        if self.pipeline_stage is None:
+            return ec
+        return dataclasses.replace(ec, pipeline_stage=self.pipeline_stage, max_num_batched_tokens=self.cpp_chunk_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -636,6 +672,10 @@ class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
                                       "its own ports, name and LMDB subfolder", "N")
     decode_instances: int = _setting(1, _at_least(_int, 1), "decode instances to start, each a process with its "
                                      "own ports, name and LMDB subfolder", "N")
+    pipeline_stages: int = _setting(1, _at_least(_int, 1), "stages of each prefill instance: above 1 every prefill "
+                                    "instance is a CPP group of this many stage processes, each holding its range "
+                                    "of the layers", "N")
+    cpp_chunk_tokens: int = _setting(512, _at_least(_int, 1), CPP_CHUNK_HELP, "N")
 
 
 ROLE_CLASSES: dict[str, type[RoleConfig]] = {

@@ -223,9 +223,12 @@ def status_dict(reply: conductor_pb2.StatusReply) -> dict[str, Any]:
         "instances": [
             {"name": i.name, "role": _ROLES.get(i.role, "?"), "address": i.address,
              "state": _STATES.get(i.state, "?"), "model_id": i.model_id, "uptime_s": i.uptime_s,
-             "last_heartbeat_age_s": i.last_heartbeat_age_s, "load": _fields(i.load)}
+             "last_heartbeat_age_s": i.last_heartbeat_age_s, "load": _fields(i.load),
+             "pipeline": ({"group": i.pipeline.group, "stage": i.pipeline.stage, "stages": i.pipeline.stages}
+                          if i.HasField("pipeline") else None)}
             for i in reply.instances
         ],
+        "groups": _groups(reply),
     }
     if reply.HasField("store"):
         s = reply.store
@@ -262,6 +265,10 @@ def status_lines(reply: conductor_pb2.StatusReply) -> list[str]:
         lines.append(f"store      {s.address}: epoch {s.epoch}, {s.segments} segments, {s.objects} objects, "
                      f"{tiers}, hit rate {_hit_rate(s.hits, s.misses):.1%} ({s.hits}/{s.hits + s.misses}), "
                      f"{s.evictions} evictions")
+    for name, g in sorted(_groups(reply).items()):
+        stages = ", ".join(f"{k}: {m or 'missing'}" for k, m in enumerate(g["stages"]))
+        lines.append(f"group      {name}: {'complete' if g['complete'] else 'INCOMPLETE (gets no work)'}, "
+                     f"{len(g['stages'])} stages ({stages})")
     lines.append(f"instances  {len(reply.instances)}")
     lines.append(f"{'NAME':<30} {'ROLE':<8} {'ADDRESS':<22} {'STATE':<9} {'RUN':>4} {'WAIT':>4} {'QUEUED':>7} "
                  f"{'KV USE':>7} {'HIT':>6} {'UPTIME':>7}")
@@ -273,6 +280,23 @@ def status_lines(reply: conductor_pb2.StatusReply) -> list[str]:
                      f"{ld.running_requests:>4} {ld.waiting_requests:>4} {ld.queued_prefill_tokens:>7} "
                      f"{kv:>6.1%} {hit:>6.1%} {_uptime(i.uptime_s):>7}")
     return lines
+
+
+def _groups(reply: conductor_pb2.StatusReply) -> dict[str, dict[str, Any]]:
+    """CPP prefill groups: each stage's instance (None where none is registered) and whether all serve."""
+    out: dict[str, dict[str, Any]] = {}
+    for i in reply.instances:
+        if not i.HasField("pipeline"):
+            continue
+        p = i.pipeline
+        g = out.setdefault(p.group, {"stages": [None] * p.stages, "serving": set()})
+        if p.stage < len(g["stages"]):
+            g["stages"][p.stage] = i.name
+            if _STATES.get(i.state) == "serving":
+                g["serving"].add(p.stage)
+    for g in out.values():
+        g["complete"] = len(g.pop("serving")) == len(g["stages"])
+    return out
 
 
 def cmd_status(conductor: Conductor, args) -> int:

@@ -13,7 +13,7 @@ from mooncaked.conductor.core import Conductor
 from mooncaked.conductor.engine_link import UNAVAILABLE, EngineError, EngineLink, PrefillPlan, PrefillResult
 from mooncaked.conductor.membership import REMOVED, STORED, Heartbeat, KVEvent, Registration
 from mooncaked.conductor.policies import make_policy
-from mooncaked.conductor.registry import InstanceLoad
+from mooncaked.conductor.registry import InstanceLoad, PipelineMember
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.engine import Engine
 from mooncaked.instance.kv_push import KV_REGION
@@ -47,10 +47,10 @@ class Counted(LocalEngineLink):
         self.calls["reserve"] += 1
         return await super().reserve(*a, **k)
 
-    async def prefill(self, request_id, prompt_token_ids, sampling, target, timeout_s, plan=None):
+    async def prefill(self, request_id, prompt_token_ids, sampling, target, timeout_s, plan=None, stages=None):
         self.calls["prefill"] += 1
         self.plans.append(plan)
-        result = await super().prefill(request_id, prompt_token_ids, sampling, target, timeout_s, plan)
+        result = await super().prefill(request_id, prompt_token_ids, sampling, target, timeout_s, plan, stages)
         self.results.append(result)
         return result
 
@@ -114,6 +114,15 @@ class Unreachable(EngineLink):
     async def drain(self, *a, **k):
         raise self._gone("drain")
 
+    async def stage_open(self, *a, **k):
+        raise self._gone("stage_open")
+
+    async def stage_input(self, *a, **k):
+        raise self._gone("stage_input")
+
+    async def stage_finish(self, *a, **k):
+        raise self._gone("stage_finish")
+
     async def close(self, grace_s=0.0) -> None:
         pass
 
@@ -147,11 +156,11 @@ class Cluster:
                                    heartbeat_interval_s=0.2, heartbeat_timeout_s=60.0, connect=self.fabric.connect,
                                    scheduler=SchedulerState(policy or make_policy("mooncake")))
 
-    async def worker(self, name: str, role: str, store=None) -> Worker:
+    async def worker(self, name: str, role: str, store=None, **engine_kw) -> Worker:
         """A real instance: an engine whose KV pool is a transfer region, served on loopback."""
         transfer = TransferEngine(backend="tcp", host="127.0.0.1", port=0)
         engine = Engine.from_pretrained(self.folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES, record_kv_events=True,
-                                        kv_pool_alloc=lambda n: transfer.alloc_region(KV_REGION, n))
+                                        kv_pool_alloc=lambda n: transfer.alloc_region(KV_REGION, n), **engine_kw)
         engine.start_driver(asyncio.get_running_loop())
         await transfer.start()
         self.engines.append(engine)
@@ -159,12 +168,14 @@ class Cluster:
         pool = PoolCache(store, engine, self.folder.name) if store is not None else None
         return Worker(name, role, engine, transfer, self.folder.name, pool=pool, peers=self.fabric.get)
 
-    def join(self, name: str, role: str, link: EngineLink, queued_prefill_tokens: int = 0) -> EngineLink:
+    def join(self, name: str, role: str, link: EngineLink, queued_prefill_tokens: int = 0,
+             pipeline: PipelineMember | None = None) -> EngineLink:
         address = f"inproc:{name}"
         self.links[name] = self.fabric[address] = link
         transfer = link.worker.endpoint() if isinstance(link, LocalEngineLink) else None
-        self.conductor.register(Registration(name, role, address, self.folder.name, self.layout,
-                                             **({"transfer": transfer} if transfer else {})))
+        layout = link.worker.layout if isinstance(link, LocalEngineLink) else self.layout
+        self.conductor.register(Registration(name, role, address, self.folder.name, layout,
+                                             **({"transfer": transfer} if transfer else {}), pipeline=pipeline))
         total = self.layout.num_blocks
         self.queued[name] = queued_prefill_tokens
         self.conductor.heartbeat(Heartbeat(name, InstanceLoad(queued_prefill_tokens=queued_prefill_tokens,
@@ -173,6 +184,17 @@ class Cluster:
 
     async def serve(self, name: str, role: str, cls: type[Counted] = Counted, store=None, **load) -> Counted:
         return self.join(name, role, cls(await self.worker(name, role, store)), **load)
+
+    async def group(self, name: str, stages: int, chunk_tokens: int) -> list[Counted]:
+        """A CPP prefill group: stage k is instance f"{name}-s{k}", each engine holding its layers only and
+        cutting prompts into chunks of ``chunk_tokens`` (its step budget)."""
+        links = []
+        for k in range(stages):
+            worker = await self.worker(f"{name}-s{k}", "prefill", pipeline_stage=(k, stages),
+                                       max_num_batched_tokens=chunk_tokens)
+            links.append(self.join(f"{name}-s{k}", "prefill", Counted(worker),
+                                   pipeline=PipelineMember(name, k, stages)))
+        return links
 
     async def beat(self) -> None:
         """One heartbeat from every live in-process instance: its load and the KV events since the last."""

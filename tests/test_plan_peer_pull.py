@@ -82,7 +82,7 @@ async def _wait_for(condition) -> None:
 def test_a_decision_to_pull_from_a_live_peer_plans_its_address_else_the_pool():
     class Inst:
         def __init__(self, name, state="serving"):
-            self.name, self.address, self.state = name, f"at-{name}", state
+            self.name, self.address, self.state, self.pipeline = name, f"at-{name}", state, None
 
     p1, p2, dead = Inst("p1"), Inst("p2"), Inst("p3", "dead")
     find = {"p1": p1, "p3": dead}.get

@@ -143,6 +143,33 @@ class Loan:
     lease_s: float
 
 
+@dataclass
+class StageOpen:
+    """A chunked-pipeline (CPP) stage asking the next stage of its group to take its layers of a prompt.
+
+    The callee computes its layers of the prompt as the caller's hidden states arrive and writes its
+    layers' KV into ``target`` (the decode's reservation, which every stage writes a part of); it
+    opens the stages after it (``downstream``: their Engine addresses, in order) the same way."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    target: Reservation
+    downstream: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StageOpened:
+    """The callee's answer: the leading blocks it and every stage after it hold in their prefix caches
+    (the group computes from the shortest run: each stage must start at the same token), and where
+    the caller writes the hidden states (``inbox``'s region at ``inbox_offset``, ``row_bytes`` a token)."""
+
+    cached_blocks: int
+    inbox: TransferEndpoint
+    inbox_offset: int
+    row_bytes: int
+
+
 @dataclass(frozen=True)
 class AbortResult:
     """``found``: the request was known; ``ended``: it has stopped (on a prefill: its KV pushes too)."""
@@ -167,9 +194,11 @@ class EngineLink(abc.ABC):
 
     @abc.abstractmethod
     async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None) -> PrefillResult:
+                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None,
+                      stages: list[str] | None = None) -> PrefillResult:
         """Prefill: compute the prompt, write its KV into ``target`` (a decode's reservation), sample
-        the first token. ABORTED: writing the KV to the decode failed."""
+        the first token. ABORTED: writing the KV to the decode failed. ``stages``: the instance is the
+        first stage of a CPP group, these are its later stages' addresses (the conductor's registry)."""
 
     @abc.abstractmethod
     def decode(self, request_id: str, first: PrefillResult, timeout_s: float) -> AsyncIterator[TokenChunk]:
@@ -191,6 +220,20 @@ class EngineLink(abc.ABC):
     @abc.abstractmethod
     async def drain(self, drain: bool, timeout_s: float) -> str:
         """Either: stop (or resume) taking new work; the instance's state after it."""
+
+    @abc.abstractmethod
+    async def stage_open(self, opening: StageOpen, timeout_s: float) -> StageOpened:
+        """A CPP stage: take this prompt's layers after the caller's (EXHAUSTED: no hidden-state slot free)."""
+
+    @abc.abstractmethod
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
+        """A CPP stage: the caller's hidden states of tokens [start_tokens, ready_tokens) are in the inbox
+        (``start_tokens``: where the group starts computing, after the blocks every stage holds)."""
+
+    @abc.abstractmethod
+    async def stage_finish(self, request_id: str, timeout_s: float) -> PrefillResult:
+        """A CPP stage: once it and every stage after it computed and pushed their layers, the first
+        token (the last stage's) and the KV bytes they pushed."""
 
     @abc.abstractmethod
     async def close(self, grace_s: float = 0.0) -> None:

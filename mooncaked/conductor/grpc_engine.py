@@ -18,6 +18,7 @@ import grpc
 
 from mooncaked.conductor import engine_link as el
 from mooncaked.conductor.engine_link import (AbortResult, EngineError, EngineLink, Loan, PrefillPlan, PrefillResult,
+                                             StageOpen, StageOpened,
                                              Reservation, TokenChunk, TransferEndpoint)
 from mooncaked.engine import SamplingParams
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -130,14 +131,42 @@ class GrpcEngineLink(EngineLink):
         return reply.ttl_s if reply.found else None
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None) -> PrefillResult:
+                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None,
+                      stages: list[str] | None = None) -> PrefillResult:
         request = engine_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling),
             decode_endpoint=endpoint_to_proto(target.endpoint), decode_block_ids=target.block_ids,
             decode_layout=layout_to_proto(target.layout), plan=plan_to_proto(plan) if plan is not None else None,
-            decode_address=target.engine_address, decode_ttl_s=target.ttl_s)
+            decode_address=target.engine_address, decode_ttl_s=target.ttl_s, stage_addresses=stages or [])
         try:
             r = await self.stub.Prefill(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise engine_error(e) from None
+        return result_from_proto(r)
+
+    async def stage_open(self, opening: StageOpen, timeout_s: float) -> StageOpened:
+        t = opening.target
+        request = engine_pb2.StageOpenRequest(
+            request_id=opening.request_id, prompt_token_ids=opening.prompt_token_ids,
+            sampling=sampling_to_proto(opening.sampling), decode_endpoint=endpoint_to_proto(t.endpoint),
+            decode_block_ids=t.block_ids, decode_layout=layout_to_proto(t.layout), decode_address=t.engine_address,
+            decode_ttl_s=t.ttl_s, downstream=opening.downstream)
+        try:
+            r = await self.stub.StageOpen(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise engine_error(e) from None
+        return StageOpened(r.cached_blocks, endpoint_from_proto(r.inbox), r.inbox_offset, r.row_bytes)
+
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
+        try:
+            await self.stub.StageInput(engine_pb2.StageInputRequest(
+                request_id=request_id, start_tokens=start_tokens, ready_tokens=ready_tokens), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise engine_error(e) from None
+
+    async def stage_finish(self, request_id: str, timeout_s: float) -> PrefillResult:
+        try:
+            r = await self.stub.StageFinish(engine_pb2.StageFinishRequest(request_id=request_id), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise engine_error(e) from None
         return result_from_proto(r)

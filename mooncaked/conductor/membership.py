@@ -16,7 +16,7 @@ from mooncaked.conductor.errors import AlreadyExists, BadRequest, FailedPrecondi
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.readiness import ReadyGate
-from mooncaked.conductor.registry import Connect, Instance, InstanceLoad, Registry
+from mooncaked.conductor.registry import DEAD, Connect, Instance, InstanceLoad, PipelineMember, Registry
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.conductor.status import ClusterStatus, ConductorFacts, StoreProbe, conductor_info, instance_infos
 from mooncaked.engine.kv_cache import KVLayout
@@ -37,6 +37,7 @@ class Registration:
     model_id: str
     layout: KVLayout
     transfer: TransferEndpoint = field(default_factory=TransferEndpoint)
+    pipeline: PipelineMember | None = None  # one stage of a CPP prefill group
 
 
 @dataclass
@@ -67,6 +68,24 @@ class Heartbeat:
     state: str = ""  # "": serving
     events: list[KVEvent] = field(default_factory=list)
     decode_samples: list[DecodeSample] = field(default_factory=list)
+
+
+def check_member(name: str, role: str, member: PipelineMember, registry: Registry) -> None:
+    """A stage's registration must fit its group: prefill, a sane index, the same stage count as the
+    others, and no other live instance in its place."""
+    if role != "prefill":
+        raise BadRequest("only prefill instances form pipeline groups")
+    if not member.group or member.stages < 2 or not 0 <= member.stage < member.stages:
+        raise BadRequest(f"pipeline stage {member.stage}/{member.stages} of group {member.group!r}: need a group name "
+                         "and 0 <= K < N with N >= 2")
+    for other in registry.group_members(member.group):
+        if other.name == name or other.state == DEAD or other.pipeline is None:
+            continue
+        if other.pipeline.stages != member.stages:
+            raise FailedPrecondition(f"group {member.group!r} has {other.pipeline.stages} stages ({other.name}); "
+                                     f"{name} says {member.stages}")
+        if other.pipeline.stage == member.stage:
+            raise FailedPrecondition(f"stage {member.stage} of group {member.group!r} is {other.name}, alive")
 
 
 class Membership:
@@ -108,9 +127,12 @@ class Membership:
                                      f"{self.block_size} (one block size per cluster)")
         if r.model_id != self.model_id:
             raise FailedPrecondition(f"{r.name} serves model {r.model_id!r}; this conductor serves {self.model_id!r}")
+        if r.pipeline is not None:
+            check_member(r.name, r.role, r.pipeline, self.registry)
         self.index.drop_instance(r.name)  # a (re)started instance reports its cache afresh
         self.scheduler.forget(r.name)
-        self.registry.register(Instance(r.name, r.role, r.address, r.model_id, r.layout, r.transfer))
+        self.registry.register(Instance(r.name, r.role, r.address, r.model_id, r.layout, r.transfer,
+                                        pipeline=r.pipeline))
         self.gate.note(self.registry)
         return self.heartbeat_interval_s
 
@@ -122,7 +144,10 @@ class Membership:
         self.gate.note(self.registry)
         for s in hb.decode_samples:
             self.scheduler.observe_decode(hb.name, s.batch, s.context_tokens, s.seconds)
-        for e in hb.events:
+        # a later CPP stage's cache is its layers of blocks the group's head also reports: the index keeps
+        # the head's, so the group is one holder (and no peer is sent to a stage's partial blocks)
+        events = hb.events if inst.pipeline is None or inst.pipeline.stage == 0 else []
+        for e in events:
             holder = e.instance or hb.name
             if holder == POOL_HOLDER:
                 continue  # the store master alone reports what the pool holds (pool_watch.py)

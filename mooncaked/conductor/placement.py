@@ -158,7 +158,10 @@ class Placement:
         prefill instance serves: a stopped or cut-off process sends no heartbeats, but its
         connection may stay open, and the call would wait for its deadline (up to
         PREFILL_TIMEOUT_S) instead of being retried there at once."""
-        task = asyncio.ensure_future(prefill.link.prefill(eid, ids, params, target, timeout_s, plan))
+        stages = self.registry.stage_addresses(prefill)
+        if stages is None:  # a CPP group that lost a stage since it was picked
+            raise EngineError(UNAVAILABLE, f"{prefill.name}'s pipeline group is missing a stage")
+        task = asyncio.ensure_future(prefill.link.prefill(eid, ids, params, target, timeout_s, plan, stages or None))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.heartbeat_interval_s)

@@ -22,7 +22,8 @@ from mooncaked.conductor.waiting import Changes
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.tasks import spawn
 
-__all__ = ["DEAD", "DRAINING", "SERVING", "STARTING", "Connect", "Instance", "InstanceLoad", "Registry"]
+__all__ = ["DEAD", "DRAINING", "SERVING", "STARTING", "Connect", "Instance", "InstanceLoad", "PipelineMember",
+           "Registry"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,15 @@ class InstanceLoad:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class PipelineMember:
+    """An instance's place in a chunked-pipeline (CPP) prefill group: stage ``stage`` of ``stages``."""
+
+    group: str
+    stage: int
+    stages: int
+
+
 @dataclass
 class Instance:
     name: str
@@ -67,6 +77,7 @@ class Instance:
     link: EngineLink | None = None
     inflight: int = 0  # requests the conductor has routed here and not yet seen finish
     dead_since: float | None = None  # when it was last marked dead
+    pipeline: PipelineMember | None = None  # a stage of a CPP prefill group (the head, stage 0, is routed to)
 
     @property
     def available(self) -> bool:
@@ -158,7 +169,32 @@ class Registry:
         return died
 
     def available(self, role: str) -> list[Instance]:
-        return [i for i in self.instances.values() if i.role == role and i.available]
+        """Instances of ``role`` that take work now. A CPP group is one prefill unit, its head: only while
+        every stage of it serves (a group missing a stage gets no work)."""
+        out = []
+        for i in self.instances.values():
+            if i.role != role or not i.available:
+                continue
+            if i.pipeline is not None and (i.pipeline.stage != 0 or self.stage_addresses(i) is None):
+                continue
+            out.append(i)
+        return out
+
+    def group_members(self, group: str) -> list[Instance]:
+        """The registered stages of a CPP group, in stage order."""
+        members = [i for i in self.instances.values() if i.pipeline is not None and i.pipeline.group == group]
+        return sorted(members, key=lambda i: i.pipeline.stage)  # type: ignore[union-attr]
+
+    def stage_addresses(self, head: Instance) -> list[str] | None:
+        """The Engine addresses of a group head's later stages in order, or None unless every stage serves."""
+        p = head.pipeline
+        if p is None:
+            return []
+        members = {i.pipeline.stage: i for i in self.group_members(p.group)
+                   if i.pipeline is not None and i.pipeline.stages == p.stages and i.available}
+        if sorted(members) != list(range(p.stages)):
+            return None
+        return [members[k].address for k in range(1, p.stages)]
 
     def find(self, name: str) -> Instance | None:
         return self.instances.get(name)

@@ -54,9 +54,11 @@ class Route:
             return None
         pull_blocks = max(0, d.reuse_blocks - d.local_blocks)
         source, address = "", ""
+        if self.prefill.pipeline is not None:
+            pull_blocks = 0  # a CPP group uses its stages' own prefix caches only
         if pull_blocks and d.pull_from:
             peer = find(d.pull_from) if d.pull_from not in (POOL, POOL_HOLDER) else None
-            if peer is not None and peer.state != DEAD and peer is not self.prefill:
+            if peer is not None and peer.state != DEAD and peer is not self.prefill and peer.pipeline is None:
                 source, address = peer.name, peer.address
             else:
                 source = POOL

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mooncaked.conductor import metrics
-from mooncaked.conductor.registry import InstanceLoad, Registry
+from mooncaked.conductor.registry import InstanceLoad, PipelineMember, Registry
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
@@ -68,6 +68,7 @@ class InstanceInfo:
     uptime_s: float
     last_heartbeat_age_s: float
     model_id: str
+    pipeline: PipelineMember | None = None  # a CPP group's stage
 
 
 @dataclass
@@ -117,7 +118,7 @@ def conductor_info(facts: ConductorFacts, state: str) -> ConductorInfo:
 def instance_infos(registry: Registry) -> list[InstanceInfo]:
     now = time.monotonic()
     return [InstanceInfo(i.name, i.role, i.address, i.shown_state, i.load, now - i.registered_at,
-                         now - i.last_heartbeat, i.model_id)
+                         now - i.last_heartbeat, i.model_id, i.pipeline)
             for i in sorted(registry.instances.values(), key=lambda i: (i.role, i.name))]
 
 

@@ -11,7 +11,7 @@ from mooncaked.conductor.engine_link import DEAD, DRAINING, SERVING, STARTING
 from mooncaked.conductor.errors import BadRequest
 from mooncaked.conductor.grpc_engine import STATE_OF, endpoint_from_proto
 from mooncaked.conductor.membership import REMOVED, STORED, DecodeSample, Heartbeat, KVEvent, Registration
-from mooncaked.conductor.registry import InstanceLoad
+from mooncaked.conductor.registry import InstanceLoad, PipelineMember
 from mooncaked.conductor.status import ClusterStatus, ConductorInfo, InstanceInfo, StoreInfo
 from mooncaked.engine import RequestError
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2
@@ -61,8 +61,17 @@ def load_to_proto(load: InstanceLoad) -> common_pb2.InstanceLoad:
 
 
 def registration_from_proto(r: conductor_pb2.RegisterRequest) -> Registration:
+    member = pipeline_from_proto(r.pipeline) if r.HasField("pipeline") else None
     return Registration(r.name, ROLE_NAMES.get(r.role, ""), r.address, r.model_id, layout_from_proto(r.layout),
-                        endpoint_from_proto(r.transfer))
+                        endpoint_from_proto(r.transfer), member)
+
+
+def pipeline_from_proto(p: conductor_pb2.PipelineMember) -> PipelineMember:
+    return PipelineMember(p.group, p.stage, p.stages)
+
+
+def pipeline_to_proto(m: PipelineMember) -> conductor_pb2.PipelineMember:
+    return conductor_pb2.PipelineMember(group=m.group, stage=m.stage, stages=m.stages)
 
 
 def heartbeat_from_proto(r: conductor_pb2.HeartbeatRequest) -> Heartbeat:
@@ -76,7 +85,8 @@ def _instance(i: InstanceInfo) -> conductor_pb2.InstanceInfo:
     return conductor_pb2.InstanceInfo(name=i.name, role=ROLE_ENUMS.get(i.role, common_pb2.ROLE_UNSPECIFIED),
                                       address=i.address, state=STATE_ENUMS.get(i.state, 0),
                                       load=load_to_proto(i.load), uptime_s=i.uptime_s,
-                                      last_heartbeat_age_s=i.last_heartbeat_age_s, model_id=i.model_id)
+                                      last_heartbeat_age_s=i.last_heartbeat_age_s, model_id=i.model_id,
+                                      pipeline=pipeline_to_proto(i.pipeline) if i.pipeline is not None else None)
 
 
 def _conductor(c: ConductorInfo) -> conductor_pb2.ConductorInfo:

@@ -216,6 +216,7 @@ class EngineConfig:
     hash_seed: int = 0
     record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
     quantize: str = "none"  # "none" | "int8" | "int4": weight-only quantized linear layers (CPU; engine/quant.py)
+    pipeline_stage: tuple[int, int] | None = None  # (K, N): stage K of an N-stage CPP group (engine/stage.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -226,6 +227,10 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be auto, flash or torch, got {self.attention_backend!r}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.pipeline_stage is not None:
+            k, n = self.pipeline_stage
+            if n < 1 or not 0 <= k < n:
+                raise ConfigError(f"pipeline_stage {k}/{n}: need 0 <= K < N (stages count from 0)")
         check_device(self.device)
         from mooncaked.engine.quant import check_quantize
 

@@ -119,9 +119,13 @@ class KVLayout:
     def offset(self, layer: int, kv: int, block: int, token: int = 0) -> int:
         return layer * self.layer_stride + kv * self.kv_stride + block * self.block_bytes + token * self.token_bytes
 
-    def compatible(self, other: "KVLayout") -> str | None:
-        """Why KV cannot be copied between the two pools block for block, or None."""
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype"):
+    def compatible(self, other: "KVLayout", num_layers: int | None = None) -> str | None:
+        """Why KV cannot be copied between the two pools block for block, or None. ``num_layers``: a
+        pipeline stage's pool holds a range of the model's layers; ``other`` must hold all of them."""
+        if num_layers is not None and other.num_layers != num_layers:
+            return f"num_layers differs: the model has {num_layers} here, {other.num_layers} there"
+        names = ("block_size", "num_kv_heads", "head_dim", "dtype")
+        for name in names if num_layers is not None else ("num_layers", *names):
             if getattr(self, name) != getattr(other, name):
                 return f"{name} differs: {getattr(self, name)} here, {getattr(other, name)} there"
         return None

@@ -29,11 +29,12 @@ from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
-from mooncaked.engine.model_runner import ModelRunner
+from mooncaked.engine.model_runner import ModelRunner, stage_config
 from mooncaked.engine.outputs import Output, TopLogprobs
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
 from mooncaked.engine.sequence import Sequence
+from mooncaked.engine.stage import PipelineStage
 from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mooncaked.tasks import log_task_failure
 
@@ -102,6 +103,15 @@ class StepSeq:
 
 
 StepHook = Callable[[int, list[StepSeq]], None]
+HiddenSource = Callable[[str, int, int], torch.Tensor]
+"""``(request_id, start, n) -> rows``: a pipeline stage's input hidden states of tokens [start, start+n)."""
+HiddenSink = Callable[[str, int, torch.Tensor], None]
+"""``(request_id, start, rows)``: a pipeline stage's output hidden states, for the next stage."""
+
+# a pipeline stage with nothing to compute until its input arrives waits at most this long for a wake
+STARVED_WAIT_S = 0.05
+# the finish_reason of a pipeline stage (not the last) that computed its layers of the whole prompt
+PREFILLED = "prefilled"
 
 
 class Engine:
@@ -120,13 +130,16 @@ class Engine:
             # we do not implement windowed attention: stay inside the window, where it is exact
             limit = min(limit, self.model_config.sliding_window)
         self.max_model_len = min(config.max_model_len or limit, limit)
-        num_blocks = plan_num_blocks(self.model_config, config.block_size, self.dtype, device,
+        k, n = config.pipeline_stage or (0, 1)
+        self.stage = PipelineStage.of(k, n, self.model_config.num_layers)
+        kv_cfg = stage_config(self.model_config, self.stage)  # the KV cache holds this stage's layers only
+        num_blocks = plan_num_blocks(kv_cfg, config.block_size, self.dtype, device,
                                      config.kv_cache_bytes, config.gpu_memory_fraction)
         pool = None
         if kv_pool_alloc is not None:
-            pool = kv_pool_alloc(num_blocks * bytes_per_block(self.model_config, config.block_size, self.dtype))
+            pool = kv_pool_alloc(num_blocks * bytes_per_block(kv_cfg, config.block_size, self.dtype))
         self.runner = ModelRunner(self.model_config, config, model_dir, self.dtype, num_blocks, self.max_model_len,
-                                  pool)
+                                  pool, self.stage)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.hash_seed,
                                           config.enable_prefix_caching, record_events=config.record_kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -134,6 +147,10 @@ class Engine:
         self.runner.eos_token_ids = self.eos_token_ids
         # called on the engine thread after each layer wrote its KV for the step's tokens
         self.layer_hook: StepHook | None = None
+        # a pipeline stage's input (not the first stage) and output (not the last); engine thread
+        self.hidden_source: HiddenSource | None = None
+        self.hidden_sink: HiddenSink | None = None
+        self._starved = False  # the last step found only pipeline stages waiting for input
         self._held: dict[str, Sequence] = {}
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._requests: dict[str, _Request] = {}
@@ -200,13 +217,17 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     sink: Sink | None = None, imported_blocks: list[int] | None = None,
-                    hold_blocks: bool = False) -> str:
+                    hold_blocks: bool = False, stage_input: int | None = None) -> str:
         """Queue a request; thread-safe.
 
         ``imported_blocks``: KV blocks the caller already filled with this prompt's first
         ``len(imported_blocks) * block_size`` tokens (incremental prefill: only the rest is
         computed). ``hold_blocks``: keep the blocks after the request finishes, until
         ``release(request_id)`` (a prefill instance still pushing that KV elsewhere).
+
+        On a pipeline stage the request starts exactly after ``imported_blocks`` (its group agreed
+        on that prefix); ``stage_input``: the tokens whose input hidden states have arrived (a stage
+        that is not the first; ``set_stage_input`` moves it on).
         """
         params = params or SamplingParams()
         params.validate()
@@ -214,9 +235,23 @@ class Engine:
         imported = list(imported_blocks or [])
         if imported and len(imported) * self.config.block_size >= len(ids):
             raise RequestError("imported blocks must leave at least one prompt token to compute")
+        staged = self.stage.count > 1
+        if staged and (stage_input is None) != self.stage.is_first:
+            raise RequestError(f"stage {self.stage}: stage_input is required exactly on stages after the first")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, imported_blocks=imported,
-                       imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks)
+                       imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks,
+                       exact_prefix=staged, input_ready=stage_input)
         return self._enqueue(seq, sink)
+
+    def set_stage_input(self, request_id: str, ready_tokens: int) -> bool:
+        """The previous stage's hidden states of the request's first ``ready_tokens`` tokens have
+        arrived; thread-safe. False: no such request (it ended or never came)."""
+        req = self._requests.get(request_id)
+        if req is None or req.seq.input_ready is None:
+            return False
+        req.seq.input_ready = max(req.seq.input_ready, ready_tokens)
+        self._wake_if_driven()
+        return True
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, blocks: list[int],
                       params: SamplingParams, sink: Sink, first_logprob: float | None = None,
@@ -337,6 +372,11 @@ class Engine:
                 self.scheduler.finish(req.seq, "abort")
                 outputs.append(self._emit(req, []))
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            if seq.exact_prefix:  # its group computes from one agreed prefix: it cannot start over alone
+                self._fail(self._requests[seq.request_id], "preempted for KV room, which a pipeline stage cannot "
+                                                           "recompute", outputs)
+        self._starved = not plan.scheduled and not outputs and self.scheduler.awaiting_input()
         if not plan.scheduled:
             return outputs
         hook = None
@@ -346,7 +386,11 @@ class Engine:
             user_hook = self.layer_hook
             hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
         try:
-            result = self.runner.run(plan.scheduled, hook)
+            hidden_in = self._stage_inputs(plan.scheduled)
+            result = self.runner.run(plan.scheduled, hook, hidden_in=hidden_in)
+            if self.hidden_sink is not None and not self.stage.is_last:
+                for s in plan.scheduled:
+                    self.hidden_sink(s.seq.request_id, s.seq.num_computed_tokens, result.hidden_out[s.seq.request_id])
         except Exception as e:
             # a model run that raised (out of memory, a layer hook's push failing, a bug) fails the
             # requests it ran, not the engine: their blocks go back and the next step runs
@@ -364,6 +408,14 @@ class Engine:
                 continue
             self._apply(s, result.tokens.get(rid), result.logprobs.get(rid), result.top_logprobs.get(rid), outputs)
         return outputs
+
+    def _stage_inputs(self, scheduled: list[ScheduledSeq]) -> dict[str, torch.Tensor] | None:
+        if self.stage.is_first:
+            return None
+        if self.hidden_source is None:
+            raise RuntimeError(f"stage {self.stage} has no source of input hidden states")
+        return {s.seq.request_id: self.hidden_source(s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens)
+                for s in scheduled}
 
     def _fail(self, req: _Request, why: str, outputs: list[Output]) -> None:
         """End one request with finish_reason "error"; its blocks go back (its KV is not published)."""
@@ -405,11 +457,23 @@ class Engine:
         seq.num_computed_tokens += s.num_new_tokens
         self.scheduler.commit_full_blocks(seq)
         if token is None:
+            if not self.stage.is_last and seq.num_computed_tokens >= len(seq.prompt_token_ids):
+                self._finish_stage(self._requests[seq.request_id], outputs)
             return
         req = self._requests[seq.request_id]
         if not seq.output_token_ids:
             self._cached_tokens += seq.num_cached_tokens
         self._append_token(req, token, logprob, top, outputs)
+
+    def _finish_stage(self, req: _Request, outputs: list[Output]) -> None:
+        """A pipeline stage (not the last) computed its layers of the whole prompt: the request ends
+        here with no token (the last stage samples it), its blocks held while its KV is pushed."""
+        seq = req.seq
+        self._cached_tokens += seq.num_cached_tokens
+        self.scheduler.finish(seq, PREFILLED)
+        if seq.hold_blocks and seq.block_table:
+            self._held[seq.request_id] = seq
+        outputs.append(self._emit(req, []))
 
     def _append_token(self, req: _Request, token: int, logprob: float | None, top: TopLogprobs | None,
                       outputs: list[Output]) -> None:
@@ -573,7 +637,13 @@ class Engine:
                 if not self.has_work():
                     await self._wake.wait()
                 continue
+            self._wake.clear()  # a wake during the step (a stage's input arriving) stays set
             await loop.run_in_executor(self._executor, self.step)
+            if self._starved:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), STARVED_WAIT_S)
+                except asyncio.TimeoutError:
+                    pass
 
     def close(self) -> None:
         if self._driver is not None and not self._driver.done():

@@ -77,6 +77,7 @@ def _checkpoint_tensors(model_dir: Path):
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, model_dir: Path, dtype: torch.dtype) -> None:
     """Copy checkpoint tensors into ``model``, fusing projections; every parameter must be filled."""
     params = dict(model.named_parameters())
+    stage_of = getattr(model, "param_name", None)
     filled: set[str] = set()
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     fused = {
@@ -99,6 +100,10 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, model_dir: Path, dtyp
                 fused_name, offset, size = fused[parts[-2]]
                 parts[-2] = fused_name
             target = ".".join(parts)
+            if stage_of is not None:
+                target = stage_of(target)  # a pipeline stage holds only its own layers (and ends)
+                if target is None:
+                    continue
             if target not in params:
                 log.debug("ignoring checkpoint tensor %s", name)
                 continue
@@ -111,6 +116,8 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, model_dir: Path, dtyp
             dest.copy_(tensor.to(dtype))
             filled.add(name)
     expected = set(checkpoint_shapes(cfg))
+    if stage_of is not None:
+        expected = {n for n in expected if stage_of(n.removeprefix("model.")) is not None}
     missing = sorted(expected - filled)
     if missing:
         raise ConfigError(f"checkpoint in {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")

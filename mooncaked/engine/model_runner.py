@@ -6,6 +6,7 @@ engine applies the results).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
+from mooncaked.engine.stage import PipelineStage
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,21 @@ class StepResult:
     all_logits: dict[str, torch.Tensor]
     top_logprobs: dict[str, TopLogprobs]
     errors: dict[str, str] = field(default_factory=dict)  # requests whose token could not be sampled, and why
+    # a pipeline stage that is not the last: each request's hidden states of this step's tokens
+    hidden_out: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def stage_config(cfg: ModelConfig, stage: PipelineStage) -> ModelConfig:
+    """``cfg`` as this stage's KV cache sees it: only the stage's layers."""
+    return dataclasses.replace(cfg, num_layers=stage.num_stage_layers)
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, model_dir, dtype: torch.dtype,
-                 num_blocks: int, max_model_len: int, kv_pool: torch.Tensor | None = None) -> None:
+                 num_blocks: int, max_model_len: int, kv_pool: torch.Tensor | None = None,
+                 stage: PipelineStage | None = None) -> None:
         self.cfg = model_cfg
+        self.stage = stage or PipelineStage.of(0, 1, model_cfg.num_layers)
         self.device = torch.device(engine_cfg.device)
         self.dtype = dtype
         self.block_size = engine_cfg.block_size
@@ -51,28 +62,41 @@ class ModelRunner:
                                     model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, scale)
         check_checkpoint(model_cfg, model_dir)  # before a model of the config's size is allocated
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len).to(dtype)
+            self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len, self.stage).to(dtype)
         self.model.rope.float()
         load_weights(self.model, model_cfg, model_dir, dtype)
         if engine_cfg.quantize != "none":
             n = quantize_model(self.model, engine_cfg.quantize)
             log.info("model runner: %d linear layers quantized to %s", n, engine_cfg.quantize)
         self.model.eval()
-        self.kv = KVCache.allocate(model_cfg, num_blocks, self.block_size, dtype, self.device, kv_pool)
+        self.kv = KVCache.allocate(stage_config(model_cfg, self.stage), num_blocks, self.block_size, dtype,
+                                   self.device, kv_pool)
         self.kv_layers = self.kv.layers()
         log.info("model runner: %s on %s (%s), attention=%s", model_cfg.architecture, self.device, dtype,
                  self.backend.name)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None,
-            all_logits: bool = False) -> StepResult:
+            all_logits: bool = False, hidden_in: dict[str, torch.Tensor] | None = None) -> StepResult:
         """One forward over the batch. ``all_logits`` also returns every new position's logits
-        per request (for scoring and tests), at the cost of the full vocabulary projection."""
+        per request (for scoring and tests), at the cost of the full vocabulary projection.
+        ``hidden_in``: a pipeline stage's input, each request's hidden states of its new tokens."""
         t0 = time.perf_counter()
         # decodes first, so backends see two contiguous slices
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, slots, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook)
+        x_in = None
+        if not self.stage.is_first:
+            rows = hidden_in or {}
+            missing = [s.seq.request_id for s in batch if s.seq.request_id not in rows]
+            if missing:
+                raise ValueError(f"stage {self.stage}: no input hidden states for {missing}")
+            x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
+        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in)
+        if not self.stage.is_last:
+            bounds = meta.cu_seqlens_q.tolist()
+            out = {s.seq.request_id: hidden[bounds[k]:bounds[k + 1]] for k, s in enumerate(batch)}
+            return StepResult({}, {}, time.perf_counter() - t0, int(input_ids.shape[0]), {}, {}, hidden_out=out)
         samplers = [s for s in batch if s.samples]
         tokens: dict[str, int] = {}
         logprobs: dict[str, float] = {}

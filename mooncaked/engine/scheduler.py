@@ -57,6 +57,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def awaiting_input(self) -> bool:
+        """Some pipeline-stage sequence cannot go on until its previous stage's next chunk arrives."""
+        return any(s.input_ready is not None and s.input_left <= 0 and s.num_uncomputed > 0
+                   for s in (*self.running, *self.waiting))
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence wherever it is and give its blocks back (a ``hold_blocks`` sequence keeps
         them when it completed: its KV is still wanted; not when it was aborted or failed)."""
@@ -97,7 +102,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.input_left, budget)
+            if n <= 0:  # a pipeline stage waiting for its previous stage's next chunk
+                i += 1
+                continue
             need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
             while need > self.bm.num_free_blocks and self.running[-1] is not seq:
                 self._preempt(self.running[-1], out)
@@ -114,6 +122,9 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.input_ready is not None and seq.input_ready <= seq.imported_tokens:
+                deferred.append(self.waiting.popleft())  # a pipeline stage whose first chunk has not arrived
+                continue
             if self._prefix_in_flight(seq):
                 deferred.append(self.waiting.popleft())  # keeps its place; the ones behind it may go
                 continue
@@ -130,7 +141,7 @@ class Scheduler:
         nothing (the same engine computes them either way) and its admission then hits them in the
         prefix cache, once the other sequence has committed them. Whole blocks only, as the prefix
         cache holds them; the waiting ends when that sequence passes them, finishes or leaves."""
-        if not self.bm.enable_prefix_caching or seq.imported_blocks:
+        if not self.bm.enable_prefix_caching or seq.imported_blocks or seq.exact_prefix:
             return False
         bs = self.bm.block_size
         tokens = seq.all_token_ids
@@ -150,7 +161,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
         bs = self.bm.block_size
-        if seq.imported_blocks:
+        if seq.imported_blocks or seq.exact_prefix:
             seq.block_table, seq.imported_blocks = seq.imported_blocks, []
             seq.num_computed_tokens = seq.imported_tokens
             self.commit_full_blocks(seq)
@@ -160,7 +171,7 @@ class Scheduler:
             seq.block_table = matched
             seq.block_hashes = hashes
             seq.num_computed_tokens = len(matched) * bs
-        n = min(seq.num_uncomputed, budget)
+        n = min(seq.input_left, budget)
         need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
         fresh = self.bm.allocate(need) if need > 0 else []
         if fresh is None:

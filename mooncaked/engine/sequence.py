@@ -41,6 +41,11 @@ class Sequence:
     hold_blocks: bool = False
     compute_s: float = 0.0  # engine step time of the steps it took part in
     stop_ids: frozenset[int] = frozenset()  # token ids that end it (EOS unless ignored, stop_token_ids)
+    # a pipeline stage's part of a prompt: it starts exactly after the imported blocks (every stage of
+    # the group starts at the same token), and a stage that is not the first computes only tokens whose
+    # input hidden states have arrived (``input_ready``; None: its input is the token ids)
+    exact_prefix: bool = False
+    input_ready: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -53,6 +58,13 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def input_left(self) -> int:
+        """Tokens it could compute now as far as its input goes."""
+        if self.input_ready is None:
+            return self.num_uncomputed
+        return max(0, min(self.input_ready, self.num_tokens) - self.num_computed_tokens)
 
     @property
     def finished(self) -> bool:

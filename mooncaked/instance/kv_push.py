@@ -25,8 +25,10 @@ KV_REGION = "kv"
 
 
 def range_ops(local: KVLayout, remote: KVLayout, layer: int, local_blocks: list[int], remote_blocks: list[int],
-              start: int, end: int, peer: str) -> list[TransferOp]:
-    """Ops that copy tokens [start, end) of one layer's K and V, block by block."""
+              start: int, end: int, peer: str, remote_layer: int | None = None) -> list[TransferOp]:
+    """Ops that copy tokens [start, end) of one layer's K and V, block by block (into ``remote_layer``
+    there: a pipeline stage's local layer i is the model's layer first_layer + i)."""
+    remote_layer = layer if remote_layer is None else remote_layer
     ops: list[TransferOp] = []
     bs = local.block_size
     for j in range(start // bs, (end - 1) // bs + 1):
@@ -35,7 +37,7 @@ def range_ops(local: KVLayout, remote: KVLayout, layer: int, local_blocks: list[
         length = (t1 - t0) * local.token_bytes
         for kv in (0, 1):
             ops.append(TransferOp("write", KV_REGION, local.offset(layer, kv, local_blocks[j], t0), peer,
-                                  KV_REGION, remote.offset(layer, kv, remote_blocks[j], t0), length))
+                                  KV_REGION, remote.offset(remote_layer, kv, remote_blocks[j], t0), length))
     return ops
 
 
@@ -58,6 +60,7 @@ class KVPush:
     closed: bool = False  # set by stop(): no further write starts
     fence: WriteFence | None = None  # whether a write may start now (instance/write_fence.py)
     fenced: bool = False  # a write was refused by the fence: the push failed
+    layer_offset: int = 0  # a pipeline stage: its first layer's index in the model (and the decode's pool)
 
     def __post_init__(self) -> None:
         self.pushed = [0] * self.local.num_layers
@@ -77,7 +80,8 @@ class KVPush:
     def _push(self, layer: int, blocks: list[int], start: int, end: int) -> None:
         if end <= start:
             return
-        ops = range_ops(self.local, self.remote, layer, blocks, self.remote_blocks, start, end, self.peer)
+        ops = range_ops(self.local, self.remote, layer, blocks, self.remote_blocks, start, end, self.peer,
+                        layer + self.layer_offset)
         self.pushed[layer] = end
         self.bytes_sent += sum(op.length for op in ops)
         self.loop.call_soon_threadsafe(self._submit, ops)

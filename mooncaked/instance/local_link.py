@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from mooncaked.conductor.engine_link import (DEADLINE, AbortResult, EngineError, EngineLink, Loan, PrefillPlan,
-                                             PrefillResult, Reservation, TokenChunk)
+                                             PrefillResult, Reservation, StageOpen, StageOpened, TokenChunk)
 from mooncaked.engine import SamplingParams
 from mooncaked.instance.worker import Worker
 
@@ -43,9 +43,19 @@ class LocalEngineLink(EngineLink):
         return self.worker.renew(request_id)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None) -> PrefillResult:
-        return await _within(self.worker.prefill(request_id, list(prompt_token_ids), sampling, target, plan),
+                      target: Reservation, timeout_s: float, plan: PrefillPlan | None = None,
+                      stages: list[str] | None = None) -> PrefillResult:
+        return await _within(self.worker.prefill(request_id, list(prompt_token_ids), sampling, target, plan, stages),
                              timeout_s, "prefill")
+
+    async def stage_open(self, opening: StageOpen, timeout_s: float) -> StageOpened:
+        return await _within(self.worker.stage_open(opening), timeout_s, "stage_open")
+
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
+        await _within(self.worker.stage_input(request_id, start_tokens, ready_tokens), timeout_s, "stage_input")
+
+    async def stage_finish(self, request_id: str, timeout_s: float) -> PrefillResult:
+        return await _within(self.worker.stage_finish(request_id), timeout_s, "stage_finish")
 
     async def decode(self, request_id: str, first: PrefillResult, timeout_s: float) -> AsyncIterator[TokenChunk]:
         # closing this iterator closes the worker's stream, which stops the request and frees its blocks

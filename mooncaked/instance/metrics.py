@@ -35,3 +35,13 @@ def deviated(deviations: dict[str, int]) -> None:
     for reason, blocks in deviations.items():
         if blocks:
             PLAN_DEVIATIONS.labels(reason).inc(blocks)
+
+# chunked pipeline parallel prefill (instance/pipeline.py), per stage "K/N"
+STAGE_BUSY = Counter("mooncaked_cpp_stage_busy_seconds",
+                     "Engine step time a CPP stage spent computing its layers of prompts.", ["stage"])
+STAGE_BUBBLE = Counter("mooncaked_cpp_stage_bubble_seconds",
+                       "Time a CPP stage held a prompt without computing it (waiting for its previous stage's "
+                       "chunks, its pushes or the later stages): the pipeline's bubbles.", ["stage"])
+HIDDEN_BYTES = Counter("mooncaked_cpp_hidden_bytes",
+                       "Boundary hidden-state bytes a CPP stage sent to the next stage over the transfer engine.",
+                       ["stage"])

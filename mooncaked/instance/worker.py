@@ -18,12 +18,13 @@ from collections.abc import AsyncIterator, Callable
 
 from mooncaked.conductor.engine_link import (DEAD, DRAINING, INTERNAL, PRECONDITION, SERVING, UNAVAILABLE,
                                              AbortResult, EngineError, EngineLink, Loan, PrefillPlan, PrefillResult,
-                                             Reservation, TokenChunk, TransferEndpoint)
+                                             Reservation, StageOpen, StageOpened, TokenChunk, TransferEndpoint)
 from mooncaked.engine import Engine, EngineStats, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.instance.decode import RESERVATION_TTL_S, Decoder
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.instance.lending import Lender
+from mooncaked.instance.pipeline import Pipeline
 from mooncaked.instance.pool_cache import PoolCache
 from mooncaked.instance.prefill import Prefiller
 from mooncaked.transfer import TransferEngine
@@ -58,6 +59,8 @@ class Worker:
         self.prefiller = Prefiller(self, layerwise=kv_push == "layerwise")
         self.lender = Lender(self)
         engine.layer_hook = self.prefiller.on_layer
+        # one stage of a chunked-pipeline prefill group (instance/pipeline.py), or None
+        self.pipeline = Pipeline(self) if engine.stage.count > 1 else None
 
     # -- shared state -----------------------------------------------------------------------
     def check(self, role: str) -> None:
@@ -128,8 +131,28 @@ class Worker:
         return self.decoder.decode(request_id, first)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: Reservation,
-                      plan: PrefillPlan | None = None) -> PrefillResult:
+                      plan: PrefillPlan | None = None, stages: list[str] | None = None) -> PrefillResult:
+        """``stages``: on the first stage of a CPP group, the later stages' Engine addresses in order."""
+        if self.pipeline is not None:
+            self.check("prefill")
+            return await self.pipeline.head(request_id, prompt, params, target, list(stages or []))
+        if stages:
+            raise EngineError(PRECONDITION, f"{self.name} is not a pipeline stage; it prefills alone")
         return await self.prefiller.prefill(request_id, prompt, params, target, plan)
+
+    def _stage(self) -> Pipeline:
+        if self.pipeline is None or self.pipeline.stage.is_first:
+            raise EngineError(PRECONDITION, f"{self.name} is not a later stage of a pipeline group")
+        return self.pipeline
+
+    async def stage_open(self, opening: StageOpen) -> StageOpened:
+        return await self._stage().open(opening)
+
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int) -> None:
+        await self._stage().input(request_id, start_tokens, ready_tokens)
+
+    async def stage_finish(self, request_id: str) -> PrefillResult:
+        return await self._stage().finish(request_id)
 
     async def lend(self, block_hashes: list[int], lease_s: float, borrower: str = "") -> Loan:
         return await self.lender.lend(block_hashes, lease_s, borrower)
@@ -144,6 +167,8 @@ class Worker:
         the decode blocks they write."""
         self._remember_abort(request_id)
         if await self.decoder.unreserve(request_id):
+            return AbortResult(found=True, ended=True)
+        if self.pipeline is not None and await self.pipeline.abort(request_id):
             return AbortResult(found=True, ended=True)
         self.engine.abort(request_id)
         ended = self.prefiller.ended.get(request_id)

@@ -64,7 +64,13 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     # engines bind any free port and register the one they got: no port can be taken between pick and bind;
     # they name themselves ROLE-HOST-PORT after that port, as every instance without --name does
     for i in range(cfg.prefill_instances):
-        out.append(engine(PrefillConfig, "prefill", i, store_dram_bytes=cfg.store_dram_bytes or DEFAULT_POOL_DRAM))
+        dram = cfg.store_dram_bytes or DEFAULT_POOL_DRAM
+        if cfg.pipeline_stages == 1:
+            out.append(engine(PrefillConfig, "prefill", i, store_dram_bytes=dram))
+            continue
+        for k in range(cfg.pipeline_stages):  # one CPP group: stage processes named after their ports
+            out.append(engine(PrefillConfig, "prefill", i * cfg.pipeline_stages + k, store_dram_bytes=dram,
+                              pipeline_group=f"group-{i}", pipeline_stage=(k, cfg.pipeline_stages)))
     for i in range(cfg.decode_instances):
         out.append(engine(DecodeConfig, "decode", i))
     return out
@@ -151,7 +157,7 @@ async def run_all_role(cfg: AllConfig) -> int:
               f"  try: mooncakectl --conductor {conductor}{tls} status\n"
               f"       mooncakectl --conductor {conductor}{tls} generate \"What is the capital of France?\"",
               flush=True)
-        engines = cfg.prefill_instances + cfg.decode_instances
+        engines = cfg.prefill_instances * cfg.pipeline_stages + cfg.decode_instances
         ready = await _wait_ready(conductor, stopping, children, security, engines)
         if ready is not None:
             names = ", ".join(f"{i.name} at {i.address}" for i in ready.instances)

@@ -76,14 +76,18 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         engine.close()
         await transfer.close()
         raise
-    if store is not None:
-        worker.pool = PoolCache(store, engine, service.model_id)  # nobody routes here before we register
+    stage = getattr(cfg, "pipeline_stage", None)
+    member = conductor_pb2.PipelineMember(group=cfg.pipeline_group, stage=stage[0], stages=stage[1]) if stage else None
+    if store is not None and stage is None:
+        # nobody routes here before we register; a CPP stage's blocks hold only its layers, so it keeps
+        # them in its own cache (the pool's objects are whole blocks of every layer)
+        worker.pool = PoolCache(store, engine, service.model_id)
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
 
     def register() -> conductor_pb2.RegisterRequest:
         return conductor_pb2.RegisterRequest(name=cfg.name, role=_ROLES[role], address=address,
                                              model_id=service.model_id, layout=layout_to_proto(service.layout),
-                                             transfer=service.endpoint())
+                                             transfer=service.endpoint(), pipeline=member)
 
     def heartbeat() -> conductor_pb2.HeartbeatRequest:
         events = []

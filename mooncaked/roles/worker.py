@@ -17,7 +17,7 @@ from collections import OrderedDict
 import grpc
 
 from mooncaked.conductor import engine_link as el
-from mooncaked.conductor.engine_link import EngineError, PrefillResult, Reservation
+from mooncaked.conductor.engine_link import EngineError, PrefillResult, Reservation, StageOpen
 from mooncaked.conductor.grpc_engine import (STATUS_OF, GrpcEngineLink, endpoint_from_proto, endpoint_to_proto,
                                              plan_from_proto, result_to_proto)
 from mooncaked.convert import (layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto,
@@ -150,9 +150,39 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                                  request.decode_address)
             plan = plan_from_proto(request.plan) if request.HasField("plan") else None
             result = await self.worker.prefill(request.request_id, list(request.prompt_token_ids), params, target,
-                                               plan)
+                                               plan, list(request.stage_addresses))
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineError as e:
+            await _refuse(context, e)
+        return result_to_proto(result)
+
+    # -- a later stage of a CPP prefill group --------------------------------------------------
+    async def StageOpen(self, request, context):
+        try:
+            target = Reservation(list(request.decode_block_ids), endpoint_from_proto(request.decode_endpoint),
+                                 layout_from_proto(request.decode_layout), request.decode_ttl_s,
+                                 request.decode_address)
+            opening = StageOpen(request.request_id, list(request.prompt_token_ids),
+                                sampling_from_proto(request.sampling), target, list(request.downstream))
+            opened = await self.worker.stage_open(opening)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineError as e:
+            await _refuse(context, e)
+        return engine_pb2.StageOpenReply(cached_blocks=opened.cached_blocks, inbox=endpoint_to_proto(opened.inbox),
+                                         inbox_offset=opened.inbox_offset, row_bytes=opened.row_bytes)
+
+    async def StageInput(self, request, context):
+        try:
+            await self.worker.stage_input(request.request_id, request.start_tokens, request.ready_tokens)
+        except EngineError as e:
+            await _refuse(context, e)
+        return engine_pb2.StageInputReply()
+
+    async def StageFinish(self, request, context):
+        try:
+            result = await self.worker.stage_finish(request.request_id)
         except EngineError as e:
             await _refuse(context, e)
         return result_to_proto(result)

@@ -15,6 +15,7 @@ from torch import nn
 from mooncaked.engine.attention import AttentionBackend, AttentionMetadata
 from mooncaked.engine.config import ModelConfig
 from mooncaked.engine.models.rope import RotaryEmbedding, apply_rotary
+from mooncaked.engine.stage import PipelineStage
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,32 +92,68 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    """The whole model, or one pipeline stage's part of it (``stage``: a contiguous range of layers;
+    the first stage has the embedding, the last the final norm and the head). A stage that is not
+    the first takes the previous stage's hidden states instead of token ids; one that is not the
+    last returns its hidden states un-normed, as the next stage's residual stream."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.stage = stage or PipelineStage.of(0, 1, cfg.num_layers)
+        self.first, self.last = self.stage.is_first, self.stage.is_last
+        if self.first:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(self.stage.num_stage_layers))
+        if self.last:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            if cfg.tie_word_embeddings and self.first:
+                self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, torch.float32)
+
+    def param_name(self, checkpoint_name: str) -> str | None:
+        """Our parameter that a checkpoint tensor (``model.`` prefix removed) fills, or None when this
+        stage does not hold it. Layer i of the checkpoint is this stage's layer i - first_layer."""
+        st = self.stage
+        if checkpoint_name.startswith("layers."):
+            _, index, rest = checkpoint_name.split(".", 2)
+            i = int(index)
+            if not st.first_layer <= i < st.end_layer:
+                return None
+            return f"layers.{i - st.first_layer}.{rest}"
+        if checkpoint_name == "embed_tokens.weight":
+            if self.first:
+                return checkpoint_name
+            # a last stage without the embedding still needs the tied weights for its head
+            return "lm_head.weight" if self.last and self.cfg.tie_word_embeddings else None
+        if checkpoint_name in ("norm.weight", "lm_head.weight"):
+            return checkpoint_name if self.last else None
+        return checkpoint_name
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                layer_hook: LayerHook | None = None) -> torch.Tensor:
+                layer_hook: LayerHook | None = None, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of every new token; each layer's new K/V lands in ``kv_caches`` first.
 
-        ``layer_hook(i, meta)`` runs right after layer i has written its K/V, which is where the
-        prefill role starts pushing that layer to the decode instance.
+        ``layer_hook(i, meta)`` runs right after (this stage's) layer i has written its K/V, which is
+        where the prefill role starts pushing that layer to the decode instance. ``hidden_in``: the
+        previous stage's hidden states of the new tokens (a stage that is not the first).
         """
-        x = self.embed_tokens(input_ids)
+        if self.first:
+            x = self.embed_tokens(input_ids)
+        else:
+            if hidden_in is None or hidden_in.shape != (positions.shape[0], self.cfg.hidden_size):
+                raise ValueError(f"stage {self.stage} needs hidden states of shape "
+                                 f"({positions.shape[0]}, {self.cfg.hidden_size})")
+            x = hidden_in
         rope = self.rope.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, kv_caches[i], meta)
             if layer_hook is not None:
                 layer_hook(i, meta)
-        return self.norm(x)
+        return self.norm(x) if self.last else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

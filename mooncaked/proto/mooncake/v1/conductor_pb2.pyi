@@ -74,7 +74,7 @@ class StatusRequest(_message.Message):
     def __init__(self, without_pool_stats: _Optional[bool] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("name", "role", "address", "state", "load", "uptime_s", "last_heartbeat_age_s", "model_id")
+    __slots__ = ("name", "role", "address", "state", "load", "uptime_s", "last_heartbeat_age_s", "model_id", "pipeline")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class InstanceInfo(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     address: str
@@ -91,7 +92,8 @@ class InstanceInfo(_message.Message):
     uptime_s: float
     last_heartbeat_age_s: float
     model_id: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., uptime_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., model_id: _Optional[str] = ...) -> None: ...
+    pipeline: PipelineMember
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., uptime_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., model_id: _Optional[str] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ...) -> None: ...
 
 class ConductorInfo(_message.Message):
     __slots__ = ("address", "http_address", "policy", "ttft_slo_s", "tbt_slo_s", "requests_in_flight", "rejections", "state", "ready_timeout_s")
@@ -170,20 +172,32 @@ class StatusReply(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., model_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., conductor: _Optional[_Union[ConductorInfo, _Mapping]] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "role", "address", "model_id", "layout", "transfer")
+    __slots__ = ("name", "role", "address", "model_id", "layout", "transfer", "pipeline")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     address: str
     model_id: str
     layout: _common_pb2.KVLayout
     transfer: _common_pb2.TransferEndpoint
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ...) -> None: ...
+    pipeline: PipelineMember
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ...) -> None: ...
+
+class PipelineMember(_message.Message):
+    __slots__ = ("group", "stage", "stages")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    stage: int
+    stages: int
+    def __init__(self, group: _Optional[str] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mooncaked.proto.mooncake.v1 import common_pb2 as mooncake_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mooncake/v1/engine.proto\x12\x0bmooncake.v1\x1a\x18mooncake/v1/common.proto\"m\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParams\"\x88\x01\n\x0cReserveReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12/\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12%\n\x06layout\x18\x03 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\"\n\x0cRenewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\nRenewReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\xc3\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParams\x12\x36\n\x0f\x64\x65\x63ode_endpoint\x18\x04 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x05 \x03(\r\x12,\n\rdecode_layout\x18\x06 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12&\n\x04plan\x18\x07 \x01(\x0b\x32\x18.mooncake.v1.PrefillPlan\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x08 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_ttl_s\x18\t \x01(\x01\"\x8b\x01\n\x0bPrefillPlan\x12\x14\n\x0creuse_blocks\x18\x01 \x01(\r\x12\x11\n\tpull_from\x18\x02 \x01(\t\x12\x13\n\x0bpull_blocks\x18\x03 \x01(\r\x12\x14\n\x0cpull_address\x18\x04 \x01(\t\x12\x11\n\treplicate\x18\x05 \x01(\x08\x12\x15\n\rpool_fallback\x18\x06 \x01(\x08\"\xd3\x03\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x12\n\npush_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06push_s\x18\t \x01(\x01\x12\x34\n\x12\x66irst_top_logprobs\x18\n \x01(\x0b\x32\x18.mooncake.v1.TopLogprobs\x12\x14\n\x0clocal_blocks\x18\x0b \x01(\r\x12\x15\n\rpulled_blocks\x18\x0c \x01(\r\x12\x13\n\x0bpulled_from\x18\r \x01(\t\x12\x12\n\nreplicated\x18\x0e \x01(\x08\x12=\n\ndeviations\x18\x0f \x03(\x0b\x32).mooncake.v1.PrefillReply.DeviationsEntry\x1a\x31\n\x0f\x44\x65viationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x88\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x34\n\x12\x66irst_top_logprobs\x18\x04 \x01(\x0b\x32\x18.mooncake.v1.TopLogprobs\"\x86\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.mooncake.v1.TopLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xaf\x01\n\nStatsReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08model_id\x18\x06 \x01(\t\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"7\n\nDrainReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\"+\n\x13\x43\x61\x63hedPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\'\n\x11\x43\x61\x63hedPrefixReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"F\n\x0bLendRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x10\n\x08\x62orrower\x18\x03 \x01(\t\"\x98\x01\n\tLendReply\x12\x0f\n\x07loan_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12/\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07loan_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\x92\x05\n\x06\x45ngine\x12\x41\n\x07Reserve\x12\x1b.mooncake.v1.ReserveRequest\x1a\x19.mooncake.v1.ReserveReply\x12\x41\n\x07Prefill\x12\x1b.mooncake.v1.PrefillRequest\x1a\x19.mooncake.v1.PrefillReply\x12?\n\x06\x44\x65\x63ode\x12\x1a.mooncake.v1.DecodeRequest\x1a\x17.mooncake.v1.TokenChunk0\x01\x12;\n\x05Renew\x12\x19.mooncake.v1.RenewRequest\x1a\x17.mooncake.v1.RenewReply\x12;\n\x05\x41\x62ort\x12\x19.mooncake.v1.AbortRequest\x1a\x17.mooncake.v1.AbortReply\x12;\n\x05Stats\x12\x19.mooncake.v1.StatsRequest\x1a\x17.mooncake.v1.StatsReply\x12;\n\x05\x44rain\x12\x19.mooncake.v1.DrainRequest\x1a\x17.mooncake.v1.DrainReply\x12P\n\x0c\x43\x61\x63hedPrefix\x12 .mooncake.v1.CachedPrefixRequest\x1a\x1e.mooncake.v1.CachedPrefixReply\x12\x38\n\x04Lend\x12\x18.mooncake.v1.LendRequest\x1a\x16.mooncake.v1.LendReply\x12\x41\n\x07Release\x12\x1b.mooncake.v1.ReleaseRequest\x1a\x19.mooncake.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mooncake/v1/engine.proto\x12\x0bmooncake.v1\x1a\x18mooncake/v1/common.proto\"m\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParams\"\x88\x01\n\x0cReserveReply\x12\x11\n\tblock_ids\x18\x01 \x03(\r\x12/\n\x08\x65ndpoint\x18\x02 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12%\n\x06layout\x18\x03 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\r\n\x05ttl_s\x18\x04 \x01(\x01\"\"\n\x0cRenewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\nRenewReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"\xdc\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParams\x12\x36\n\x0f\x64\x65\x63ode_endpoint\x18\x04 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x05 \x03(\r\x12,\n\rdecode_layout\x18\x06 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12&\n\x04plan\x18\x07 \x01(\x0b\x32\x18.mooncake.v1.PrefillPlan\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x08 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_ttl_s\x18\t \x01(\x01\x12\x17\n\x0fstage_addresses\x18\n \x03(\t\"\x8b\x01\n\x0bPrefillPlan\x12\x14\n\x0creuse_blocks\x18\x01 \x01(\r\x12\x11\n\tpull_from\x18\x02 \x01(\t\x12\x13\n\x0bpull_blocks\x18\x03 \x01(\r\x12\x14\n\x0cpull_address\x18\x04 \x01(\t\x12\x11\n\treplicate\x18\x05 \x01(\x08\x12\x15\n\rpool_fallback\x18\x06 \x01(\x08\"\xd3\x03\n\x0cPrefillReply\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x15\n\rfirst_logprob\x18\x02 \x01(\x02\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x11\n\tcompute_s\x18\x07 \x01(\x01\x12\x12\n\npush_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06push_s\x18\t \x01(\x01\x12\x34\n\x12\x66irst_top_logprobs\x18\n \x01(\x0b\x32\x18.mooncake.v1.TopLogprobs\x12\x14\n\x0clocal_blocks\x18\x0b \x01(\r\x12\x15\n\rpulled_blocks\x18\x0c \x01(\r\x12\x13\n\x0bpulled_from\x18\r \x01(\t\x12\x12\n\nreplicated\x18\x0e \x01(\x08\x12=\n\ndeviations\x18\x0f \x03(\x0b\x32).mooncake.v1.PrefillReply.DeviationsEntry\x1a\x31\n\x0f\x44\x65viationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x88\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x15\n\rfirst_logprob\x18\x03 \x01(\x02\x12\x34\n\x12\x66irst_top_logprobs\x18\x04 \x01(\x0b\x32\x18.mooncake.v1.TopLogprobs\"\x86\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.mooncake.v1.TopLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"*\n\nAbortReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05\x65nded\x18\x02 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xaf\x01\n\nStatsReply\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08model_id\x18\x06 \x01(\t\"\x1d\n\x0c\x44rainRequest\x12\r\n\x05\x64rain\x18\x01 \x01(\x08\"7\n\nDrainReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\"+\n\x13\x43\x61\x63hedPrefixRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\'\n\x11\x43\x61\x63hedPrefixReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"F\n\x0bLendRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x10\n\x08\x62orrower\x18\x03 \x01(\t\"\x98\x01\n\tLendReply\x12\x0f\n\x07loan_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12/\n\x08\x65ndpoint\x18\x03 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12%\n\x06layout\x18\x04 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\"!\n\x0eReleaseRequest\x12\x0f\n\x07loan_id\x18\x01 \x01(\t\"\x1d\n\x0cReleaseReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb1\x02\n\x10StageOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParams\x12\x36\n\x0f\x64\x65\x63ode_endpoint\x18\x04 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x05 \x03(\r\x12,\n\rdecode_layout\x18\x06 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x07 \x01(\t\x12\x14\n\x0c\x64\x65\x63ode_ttl_s\x18\x08 \x01(\x01\x12\x12\n\ndownstream\x18\t \x03(\t\"~\n\x0eStageOpenReply\x12\x15\n\rcached_blocks\x18\x01 \x01(\r\x12,\n\x05inbox\x18\x02 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12\x14\n\x0cinbox_offset\x18\x03 \x01(\x04\x12\x11\n\trow_bytes\x18\x04 \x01(\r\"S\n\x11StageInputRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0cstart_tokens\x18\x02 \x01(\r\x12\x14\n\x0cready_tokens\x18\x03 \x01(\r\"\x11\n\x0fStageInputReply\"(\n\x12StageFinishRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t2\xf2\x06\n\x06\x45ngine\x12\x41\n\x07Reserve\x12\x1b.mooncake.v1.ReserveRequest\x1a\x19.mooncake.v1.ReserveReply\x12\x41\n\x07Prefill\x12\x1b.mooncake.v1.PrefillRequest\x1a\x19.mooncake.v1.PrefillReply\x12?\n\x06\x44\x65\x63ode\x12\x1a.mooncake.v1.DecodeRequest\x1a\x17.mooncake.v1.TokenChunk0\x01\x12;\n\x05Renew\x12\x19.mooncake.v1.RenewRequest\x1a\x17.mooncake.v1.RenewReply\x12;\n\x05\x41\x62ort\x12\x19.mooncake.v1.AbortRequest\x1a\x17.mooncake.v1.AbortReply\x12;\n\x05Stats\x12\x19.mooncake.v1.StatsRequest\x1a\x17.mooncake.v1.StatsReply\x12;\n\x05\x44rain\x12\x19.mooncake.v1.DrainRequest\x1a\x17.mooncake.v1.DrainReply\x12P\n\x0c\x43\x61\x63hedPrefix\x12 .mooncake.v1.CachedPrefixRequest\x1a\x1e.mooncake.v1.CachedPrefixReply\x12\x38\n\x04Lend\x12\x18.mooncake.v1.LendRequest\x1a\x16.mooncake.v1.LendReply\x12\x41\n\x07Release\x12\x1b.mooncake.v1.ReleaseRequest\x1a\x19.mooncake.v1.ReleaseReply\x12G\n\tStageOpen\x12\x1d.mooncake.v1.StageOpenRequest\x1a\x1b.mooncake.v1.StageOpenReply\x12J\n\nStageInput\x12\x1e.mooncake.v1.StageInputRequest\x1a\x1c.mooncake.v1.StageInputReply\x12I\n\x0bStageFinish\x12\x1f.mooncake.v1.StageFinishRequest\x1a\x19.mooncake.v1.PrefillReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,41 +43,51 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RENEWREPLY']._serialized_start=353
   _globals['_RENEWREPLY']._serialized_end=395
   _globals['_PREFILLREQUEST']._serialized_start=398
-  _globals['_PREFILLREQUEST']._serialized_end=721
-  _globals['_PREFILLPLAN']._serialized_start=724
-  _globals['_PREFILLPLAN']._serialized_end=863
-  _globals['_PREFILLREPLY']._serialized_start=866
-  _globals['_PREFILLREPLY']._serialized_end=1333
-  _globals['_PREFILLREPLY_DEVIATIONSENTRY']._serialized_start=1284
-  _globals['_PREFILLREPLY_DEVIATIONSENTRY']._serialized_end=1333
-  _globals['_DECODEREQUEST']._serialized_start=1336
-  _globals['_DECODEREQUEST']._serialized_end=1472
-  _globals['_TOKENCHUNK']._serialized_start=1475
-  _globals['_TOKENCHUNK']._serialized_end=1609
-  _globals['_ABORTREQUEST']._serialized_start=1611
-  _globals['_ABORTREQUEST']._serialized_end=1645
-  _globals['_ABORTREPLY']._serialized_start=1647
-  _globals['_ABORTREPLY']._serialized_end=1689
-  _globals['_STATSREQUEST']._serialized_start=1691
-  _globals['_STATSREQUEST']._serialized_end=1705
-  _globals['_STATSREPLY']._serialized_start=1708
-  _globals['_STATSREPLY']._serialized_end=1883
-  _globals['_DRAINREQUEST']._serialized_start=1885
-  _globals['_DRAINREQUEST']._serialized_end=1914
-  _globals['_DRAINREPLY']._serialized_start=1916
-  _globals['_DRAINREPLY']._serialized_end=1971
-  _globals['_CACHEDPREFIXREQUEST']._serialized_start=1973
-  _globals['_CACHEDPREFIXREQUEST']._serialized_end=2016
-  _globals['_CACHEDPREFIXREPLY']._serialized_start=2018
-  _globals['_CACHEDPREFIXREPLY']._serialized_end=2057
-  _globals['_LENDREQUEST']._serialized_start=2059
-  _globals['_LENDREQUEST']._serialized_end=2129
-  _globals['_LENDREPLY']._serialized_start=2132
-  _globals['_LENDREPLY']._serialized_end=2284
-  _globals['_RELEASEREQUEST']._serialized_start=2286
-  _globals['_RELEASEREQUEST']._serialized_end=2319
-  _globals['_RELEASEREPLY']._serialized_start=2321
-  _globals['_RELEASEREPLY']._serialized_end=2350
-  _globals['_ENGINE']._serialized_start=2353
-  _globals['_ENGINE']._serialized_end=3011
+  _globals['_PREFILLREQUEST']._serialized_end=746
+  _globals['_PREFILLPLAN']._serialized_start=749
+  _globals['_PREFILLPLAN']._serialized_end=888
+  _globals['_PREFILLREPLY']._serialized_start=891
+  _globals['_PREFILLREPLY']._serialized_end=1358
+  _globals['_PREFILLREPLY_DEVIATIONSENTRY']._serialized_start=1309
+  _globals['_PREFILLREPLY_DEVIATIONSENTRY']._serialized_end=1358
+  _globals['_DECODEREQUEST']._serialized_start=1361
+  _globals['_DECODEREQUEST']._serialized_end=1497
+  _globals['_TOKENCHUNK']._serialized_start=1500
+  _globals['_TOKENCHUNK']._serialized_end=1634
+  _globals['_ABORTREQUEST']._serialized_start=1636
+  _globals['_ABORTREQUEST']._serialized_end=1670
+  _globals['_ABORTREPLY']._serialized_start=1672
+  _globals['_ABORTREPLY']._serialized_end=1714
+  _globals['_STATSREQUEST']._serialized_start=1716
+  _globals['_STATSREQUEST']._serialized_end=1730
+  _globals['_STATSREPLY']._serialized_start=1733
+  _globals['_STATSREPLY']._serialized_end=1908
+  _globals['_DRAINREQUEST']._serialized_start=1910
+  _globals['_DRAINREQUEST']._serialized_end=1939
+  _globals['_DRAINREPLY']._serialized_start=1941
+  _globals['_DRAINREPLY']._serialized_end=1996
+  _globals['_CACHEDPREFIXREQUEST']._serialized_start=1998
+  _globals['_CACHEDPREFIXREQUEST']._serialized_end=2041
+  _globals['_CACHEDPREFIXREPLY']._serialized_start=2043
+  _globals['_CACHEDPREFIXREPLY']._serialized_end=2082
+  _globals['_LENDREQUEST']._serialized_start=2084
+  _globals['_LENDREQUEST']._serialized_end=2154
+  _globals['_LENDREPLY']._serialized_start=2157
+  _globals['_LENDREPLY']._serialized_end=2309
+  _globals['_RELEASEREQUEST']._serialized_start=2311
+  _globals['_RELEASEREQUEST']._serialized_end=2344
+  _globals['_RELEASEREPLY']._serialized_start=2346
+  _globals['_RELEASEREPLY']._serialized_end=2375
+  _globals['_STAGEOPENREQUEST']._serialized_start=2378
+  _globals['_STAGEOPENREQUEST']._serialized_end=2683
+  _globals['_STAGEOPENREPLY']._serialized_start=2685
+  _globals['_STAGEOPENREPLY']._serialized_end=2811
+  _globals['_STAGEINPUTREQUEST']._serialized_start=2813
+  _globals['_STAGEINPUTREQUEST']._serialized_end=2896
+  _globals['_STAGEINPUTREPLY']._serialized_start=2898
+  _globals['_STAGEINPUTREPLY']._serialized_end=2915
+  _globals['_STAGEFINISHREQUEST']._serialized_start=2917
+  _globals['_STAGEFINISHREQUEST']._serialized_end=2957
+  _globals['_ENGINE']._serialized_start=2960
+  _globals['_ENGINE']._serialized_end=3842
 # @@protoc_insertion_point(module_scope)

@@ -44,7 +44,7 @@ class RenewReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "plan", "decode_address", "decode_ttl_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "plan", "decode_address", "decode_ttl_s", "stage_addresses")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class PrefillRequest(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    STAGE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -63,7 +64,8 @@ class PrefillRequest(_message.Message):
     plan: PrefillPlan
     decode_address: str
     decode_ttl_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ...) -> None: ...
+    stage_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ..., stage_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillPlan(_message.Message):
     __slots__ = ("reuse_blocks", "pull_from", "pull_blocks", "pull_address", "replicate", "pool_fallback")
@@ -241,3 +243,57 @@ class ReleaseReply(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class StageOpenRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "decode_address", "decode_ttl_s", "downstream")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    decode_endpoint: _common_pb2.TransferEndpoint
+    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    decode_layout: _common_pb2.KVLayout
+    decode_address: str
+    decode_ttl_s: float
+    downstream: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StageOpenReply(_message.Message):
+    __slots__ = ("cached_blocks", "inbox", "inbox_offset", "row_bytes")
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INBOX_FIELD_NUMBER: _ClassVar[int]
+    INBOX_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    cached_blocks: int
+    inbox: _common_pb2.TransferEndpoint
+    inbox_offset: int
+    row_bytes: int
+    def __init__(self, cached_blocks: _Optional[int] = ..., inbox: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., inbox_offset: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+
+class StageInputRequest(_message.Message):
+    __slots__ = ("request_id", "start_tokens", "ready_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start_tokens: int
+    ready_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., start_tokens: _Optional[int] = ..., ready_tokens: _Optional[int] = ...) -> None: ...
+
+class StageInputReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageFinishRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...

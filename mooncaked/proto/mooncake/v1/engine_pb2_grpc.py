@@ -85,6 +85,21 @@ class EngineStub:
                 request_serializer=mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=mooncake_dot_v1_dot_engine__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.StageOpen = channel.unary_unary(
+                '/mooncake.v1.Engine/StageOpen',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.StageOpenRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.StageOpenReply.FromString,
+                _registered_method=True)
+        self.StageInput = channel.unary_unary(
+                '/mooncake.v1.Engine/StageInput',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.StageInputRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.StageInputReply.FromString,
+                _registered_method=True)
+        self.StageFinish = channel.unary_unary(
+                '/mooncake.v1.Engine/StageFinish',
+                request_serializer=mooncake_dot_v1_dot_engine__pb2.StageFinishRequest.SerializeToString,
+                response_deserializer=mooncake_dot_v1_dot_engine__pb2.PrefillReply.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -162,6 +177,27 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageOpen(self, request, context):
+        """A later stage of a chunked-pipeline (CPP) prefill group: take this prompt's layers after the caller's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageInput(self, request, context):
+        """A later CPP stage: the caller's hidden states of more tokens are in this stage's inbox.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StageFinish(self, request, context):
+        """A later CPP stage: once it and the stages after it computed and pushed their layers, the first token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +250,21 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.FromString,
                     response_serializer=mooncake_dot_v1_dot_engine__pb2.ReleaseReply.SerializeToString,
+            ),
+            'StageOpen': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageOpen,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.StageOpenRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.StageOpenReply.SerializeToString,
+            ),
+            'StageInput': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageInput,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.StageInputRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.StageInputReply.SerializeToString,
+            ),
+            'StageFinish': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageFinish,
+                    request_deserializer=mooncake_dot_v1_dot_engine__pb2.StageFinishRequest.FromString,
+                    response_serializer=mooncake_dot_v1_dot_engine__pb2.PrefillReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +538,87 @@ class Engine:
             '/mooncake.v1.Engine/Release',
             mooncake_dot_v1_dot_engine__pb2.ReleaseRequest.SerializeToString,
             mooncake_dot_v1_dot_engine__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageOpen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/StageOpen',
+            mooncake_dot_v1_dot_engine__pb2.StageOpenRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.StageOpenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageInput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/StageInput',
+            mooncake_dot_v1_dot_engine__pb2.StageInputRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.StageInputReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StageFinish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.v1.Engine/StageFinish',
+            mooncake_dot_v1_dot_engine__pb2.StageFinishRequest.SerializeToString,
+            mooncake_dot_v1_dot_engine__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,74 @@
+"""Chunked pipeline parallel prefill (CPP, instance/pipeline.py) against one whole engine.
+
+A group of 2 or 3 prefill stages, each an engine holding only its layers, computes a prompt chunk
+by chunk: boundary hidden states cross to the next stage over real transfer engines on loopback,
+each stage pushes its own layers' KV into the decode's reserved blocks, the last stage samples the
+first token, and the decode streams the rest. The oracle is ``Engine.generate`` of the whole model:
+greedy tokens must be equal, for a prompt shorter than one chunk, one of many chunks, and a prefix
+hit (where every stage starts after the blocks all of them hold).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from inproc_cluster import BLOCK, KV_BYTES, Cluster
+from mooncaked.conductor.core import GenerateSpec
+from mooncaked.engine import Engine, SamplingParams
+from tiny_models import make_tiny_model, random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+CHUNK = 8  # tokens a stage computes per step: a 37-token prompt is five chunks
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Tiny models of each architecture with 3 layers, so a 3-stage group has a layer per stage."""
+    return {arch: make_tiny_model(arch, tmp_path_factory.mktemp(f"cpp-{arch}"), num_layers=3)[1] for arch in ARCHS}
+
+
+def _params(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+async def _tokens(cluster: Cluster, prompt: list[int], n: int):
+    chunks = [c async for c in cluster.conductor.generate(GenerateSpec(token_ids=prompt, sampling=_params(n)))]
+    return [t for c in chunks for t in c.token_ids], chunks[0]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_a_pipeline_group_equals_one_engine(arch, stages, models):
+    folder = models[arch]
+    ref = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES)
+    cluster = Cluster(folder)
+    try:
+        links = await cluster.group("g", stages, CHUNK)
+        await cluster.serve("d1", "decode")
+        # each stage holds only its layers: together the model's three, once
+        held = [len(link.worker.engine.runner.model.layers) for link in links]
+        assert sum(held) == 3 and all(held)
+        assert [link.worker.layout.num_layers for link in links] == held
+        short, long_ = random_prompts([5, 37], seed=3)
+        for prompt in (short, long_):
+            want = ref.generate(prompt, _params(6))[0].token_ids
+            got, first = await _tokens(cluster, prompt, 6)
+            assert got == want, f"{arch}, {stages} stages, {len(prompt)}-token prompt"
+            assert first.prefill_instance == "g-s0"
+        # every stage computed its layers of both prompts
+        for link in links:
+            assert link.worker.engine.stats().prefill_tokens_computed == len(short) + len(long_)
+        # a prefix hit: the long prompt again with a new ending starts after the blocks every stage holds
+        again = long_[:32] + [9, 8, 7]
+        want = ref.generate(again, _params(6))[0].token_ids
+        got, first = await _tokens(cluster, again, 6)
+        assert got == want
+        assert first.cached_tokens == 32
+        for link in links:
+            assert link.worker.engine.stats().prefill_tokens_computed == len(short) + len(long_) + 3
+            assert not link.worker.pipeline.jobs and len(link.worker.pipeline.free_slots) == 2
+    finally:
+        ref.close()
+        await cluster.close()
