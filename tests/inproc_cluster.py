@@ -142,14 +142,15 @@ class HeldPrefill(Counted):
 
 
 class Cluster:
-    def __init__(self, folder, policy=None) -> None:
+    def __init__(self, folder, policy=None, kv_bytes: int = KV_BYTES) -> None:
         self.folder = folder
+        self.kv_bytes = kv_bytes
         self.fabric = LocalFabric()  # address -> link: the conductor's connect and the workers' peers
         self.links: dict[str, EngineLink] = {}
         self.engines: list[Engine] = []
         self.transfers: list[TransferEngine] = []
         self.queued: dict[str, int] = {}
-        probe = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES)
+        probe = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=kv_bytes)
         self.engines.append(probe)
         self.layout = probe.runner.kv.layout()
         self.conductor = Conductor(probe.tokenizer, probe.model_config, folder.name, BLOCK, probe.config.hash_seed,
@@ -159,7 +160,8 @@ class Cluster:
     async def worker(self, name: str, role: str, store=None, **engine_kw) -> Worker:
         """A real instance: an engine whose KV pool is a transfer region, served on loopback."""
         transfer = TransferEngine(backend="tcp", host="127.0.0.1", port=0)
-        engine = Engine.from_pretrained(self.folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES, record_kv_events=True,
+        engine = Engine.from_pretrained(self.folder, block_size=BLOCK, kv_cache_bytes=self.kv_bytes,
+                                        record_kv_events=True,
                                         kv_pool_alloc=lambda n: transfer.alloc_region(KV_REGION, n), **engine_kw)
         engine.start_driver(asyncio.get_running_loop())
         await transfer.start()

@@ -69,3 +69,59 @@ def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_pa
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_pipeline_stages_make_each_prefill_instance_a_group(tmp_path):
+    cfg = AllConfig(prefill_instances=2, decode_instances=1, pipeline_stages=3, cpp_chunk_tokens=64)
+    prefills = [c for c in child_configs(cfg) if isinstance(c, PrefillConfig)]
+    assert [(c.pipeline_group, c.pipeline_stage) for c in prefills] == \
+        [("group-0", (k, 3)) for k in range(3)] + [("group-1", (k, 3)) for k in range(3)]
+    assert all(c.cpp_chunk_tokens == 64 for c in prefills)
+    assert prefills[1].engine_config().pipeline_stage == (1, 3)
+    assert prefills[1].engine_config().max_num_batched_tokens == 64  # the chunk is the stage's step budget
+
+
+def test_one_machine_serves_through_a_pipeline_group(tiny_model_factory, tmp_path):
+    """`--role all --pipeline-stages 2`: ready once both stages and the decode serve; a request goes
+    through the group's head and answers as one engine does; status shows the stages."""
+    from mooncaked.engine import Engine, SamplingParams
+
+    _, folder = tiny_model_factory("llama")
+    conductor = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
+    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3",
+               MOONCAKED_STORE_DRAM_BYTES="4MiB")
+    log_path = tmp_path / "all.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
+                             "--listen", conductor, "--http", "127.0.0.1:0", "--pipeline-stages", "2",
+                             "--cpp-chunk-tokens", "8"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"mooncaked all: cluster ready", log_path.read_text()):
+            assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        prompt = list(range(10, 50))  # five chunks
+        with grpc.insecure_channel(conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+            st = stub.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=10)
+            stages = sorted((i.pipeline.stage, i.name) for i in st.instances if i.HasField("pipeline"))
+            assert [k for k, _ in stages] == [0, 1]
+            assert {i.pipeline.group for i in st.instances if i.HasField("pipeline")} == {"group-0"}
+            req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
+                                                sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True))
+            chunks = list(stub.Generate(req, timeout=120))
+        ref = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=8 << 20)
+        want = ref.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+        assert [t for c in chunks for t in c.token_ids] == want
+        assert chunks[0].prefill_instance == stages[0][1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
+    except BaseException:
+        log.flush()
+        print("--- the `all` process's log (tail) ---\n" + log_path.read_text()[-6000:])
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -72,3 +72,74 @@ async def test_a_pipeline_group_equals_one_engine(arch, stages, models):
     finally:
         ref.close()
         await cluster.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_a_pipeline_group_equals_one_engine_on_the_default_model(stages):
+    """SmolLM2-135M (30 layers: 15+15, or 10+10+10): a prompt under one chunk, one of many chunks (a
+    real text), and a prefix hit of it."""
+    from mooncaked.engine.loader import resolve_model_dir
+
+    folder = resolve_model_dir("default")
+    kv = 64 << 20
+    ref = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=kv)
+    cluster = Cluster(folder, kv_bytes=kv)
+    try:
+        links = await cluster.group("g", stages, 64)
+        await cluster.serve("d1", "decode")
+        assert [len(link.worker.engine.runner.model.layers) for link in links] == [30 // stages] * stages
+        text = ref.tokenizer.encode("The history of Paris, the capital of France, begins with a Celtic people "
+                                    "called the Parisii. " * 20)
+        assert len(text) > 4 * 64  # many chunks
+        short = text[:20]
+        for prompt in (short, text, text[:200] + text[:17]):
+            want = ref.generate(prompt, _params(8))[0].token_ids
+            got, first = await _tokens(cluster, prompt, 8)
+            assert got == want, f"{stages} stages, {len(prompt)}-token prompt"
+        assert first.cached_tokens == 200  # the last prompt shares 50 blocks with the long one
+    finally:
+        ref.close()
+        await cluster.close()
+
+
+async def test_bad_input_between_stages_is_a_clear_error(models):
+    """Every stage call refuses what does not fit, naming it, and the stage serves on."""
+    from mooncaked.conductor.engine_link import INVALID, NOT_FOUND, PRECONDITION, EngineError, StageOpen
+
+    folder = models["llama"]
+    cluster = Cluster(folder)
+    try:
+        s0, s1 = await cluster.group("g", 2, CHUNK)
+        d1 = await cluster.serve("d1", "decode")
+        prompt = random_prompts([20], seed=4)[0]
+        target = await d1.reserve("r1", prompt, _params(2), 5)
+        cases = [
+            (s1.stage_input("nobody", 0, 8, 5), NOT_FOUND, "no request 'nobody'"),
+            (s1.stage_finish("nobody", 5), NOT_FOUND, "no request"),
+            (s0.stage_open(StageOpen("r1", prompt, _params(2), target, []), 5), PRECONDITION, "not a later stage"),
+            (s1.stage_open(StageOpen("r1", prompt, _params(2), target, ["x"]), 5), INVALID, "names 1"),
+            (s0.prefill("r1", prompt, _params(2), target, 5), PRECONDITION, "addresses of its 1 later"),
+            (d1.prefill("r1", prompt, _params(2), target, 5, None, ["somewhere"]), PRECONDITION, "prefill"),
+        ]
+        for call, kind, words in cases:
+            with pytest.raises(EngineError, match=words) as e:
+                await call
+            assert e.value.kind == kind
+        # a request open on stage 1: input that is not a block boundary, runs backwards or past the prompt
+        opened = await s1.stage_open(StageOpen("r2", prompt, _params(2), target, []), 5)
+        assert opened.row_bytes == 64 * 4 and opened.cached_blocks == 0
+        for start, ready, words in ((3, 8, "block boundary"), (0, 21, "outside"), (0, 0, "outside")):
+            with pytest.raises(EngineError, match=words) as e:
+                await s1.stage_input("r2", start, ready, 5)
+            assert e.value.kind == INVALID
+        await s1.abort("r2", 5)
+        assert not s1.worker.pipeline.jobs and len(s1.worker.pipeline.free_slots) == 2
+        # and the group still serves
+        await d1.abort("r1", 5)
+        ref = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES)
+        got, _ = await _tokens(cluster, prompt, 4)
+        assert got == ref.generate(prompt, _params(4))[0].token_ids
+        ref.close()
+    finally:
+        await cluster.close()

@@ -42,21 +42,29 @@ def _free_port() -> int:
 
 
 class MiniCluster:
-    def __init__(self, model: str, log_dir: Path, env: dict[str, str]) -> None:
+    """A conductor, one decode and prefill instances as processes on loopback. ``prefills``: the extra
+    flags of each prefill process (default: one plain prefill), e.g. one CPP stage's each."""
+
+    def __init__(self, model: str, log_dir: Path, env: dict[str, str],
+                 prefills: list[list[str]] | None = None) -> None:
         self.procs: list[subprocess.Popen] = []
         self.conductor = f"127.0.0.1:{_free_port()}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") or k in SECURITY_ENV}
         self.security = Security.load(*(os.environ.get(k) for k in SECURITY_ENV))
         base.update({"MOONCAKED_MODEL": model, "MOONCAKED_ENABLE_PREFIX_CACHING": "false",
                      "MOONCAKED_HEARTBEAT_INTERVAL_S": "0.5", "MOONCAKED_LOG_LEVEL": "WARNING", **env})
-        for role in ("conductor", "prefill", "decode"):
+        prefills = prefills if prefills is not None else [[]]
+        self.instances = len(prefills) + 1
+        roles = [("conductor", "conductor", []), ("decode", "decode", [])]
+        roles += [(f"prefill-{i}" if i else "prefill", "prefill", extra) for i, extra in enumerate(prefills)]
+        for name, role, extra in roles:
             listen = self.conductor if role == "conductor" else f"127.0.0.1:{_free_port()}"
-            cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", listen, "--name", role]
+            cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", listen, "--name", name, *extra]
             if role != "conductor":
                 cmd += ["--conductor", self.conductor]
             else:
                 cmd += ["--http", "127.0.0.1:0"]
-            log = open(log_dir / f"{role}.log", "w")
+            log = open(log_dir / f"{name}.log", "w")
             self.procs.append(subprocess.Popen(cmd, env=base, stdout=log, stderr=subprocess.STDOUT))
 
     def wait_ready(self, timeout_s: float = 180) -> None:
@@ -68,7 +76,7 @@ class MiniCluster:
                     raise RuntimeError("a mooncaked process exited during start")
                 try:
                     st = stub.Status(conductor_pb2.StatusRequest(), timeout=2)
-                    if sum(i.state == 2 for i in st.instances) == 2:
+                    if sum(i.state == 2 for i in st.instances) == self.instances:
                         return
                 except grpc.RpcError:
                     pass
