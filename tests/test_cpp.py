@@ -143,3 +143,34 @@ async def test_bad_input_between_stages_is_a_clear_error(models):
         ref.close()
     finally:
         await cluster.close()
+
+
+async def test_a_client_that_leaves_mid_pipeline_stops_every_stage_before_the_decode_frees(models):
+    """The head's abort answers once every stage's pushes stopped: only then are the decode's blocks
+    freed, and no stage keeps the request, its slot or its blocks."""
+    import asyncio
+
+    cluster = Cluster(models["llama"])
+    try:
+        stages = await cluster.group("g", 3, 1)  # one token a chunk: the prompt takes hundreds of steps
+        d1 = await cluster.serve("d1", "decode")
+        bm = d1.engine.block_manager
+        prompt = random_prompts([400], seed=8)[0]
+        task = asyncio.ensure_future(anext(cluster.conductor.generate(GenerateSpec(token_ids=prompt,
+                                                                                   sampling=_params(4)))))
+        last = stages[-1].worker
+        while not last.pipeline.jobs or last.engine.stats().prefill_tokens_computed < 20:
+            await asyncio.sleep(0.005)  # the last stage is computing: every stage holds the request
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while d1.reserved or bm.num_free_blocks < bm.num_blocks:
+            await asyncio.sleep(0.01)
+        for link in stages:
+            w = link.worker
+            assert not w.pipeline.jobs and len(w.pipeline.free_slots) == 2 and not w.prefiller.pushes
+            assert w.engine.block_manager.num_free_blocks == w.engine.block_manager.num_blocks
+        assert stages[0].calls["abort"] == 1
+    finally:
+        await cluster.close()

@@ -356,6 +356,7 @@ class Pipeline:
             return
         prev = job.sends
         job.sends = asyncio.ensure_future(self._send_after(prev, job, start, end))
+        job.sends.add_done_callback(lambda f: f.cancelled() or f.exception())  # _fail reported it
 
     async def _send_after(self, prev: asyncio.Future | None, job: StageJob, start: int, end: int) -> None:
         if prev is not None:
@@ -412,7 +413,8 @@ class Pipeline:
             if job.sends is not None and not job.sends.done():
                 job.sends.cancel()
             if job.next_link is not None and not job.completed:
-                spawn(self._abort_next(job), f"stage-abort-{job.rid}")
+                # the later stages write the decode's blocks too: this request ends once they stopped
+                await self._abort_next(job)
             if job.local:
                 await self.engine.call(self.engine.unreserve, job.local)
                 job.local = []
@@ -428,7 +430,9 @@ class Pipeline:
     async def _abort_next(self, job: StageJob) -> None:
         assert job.next_link is not None
         try:
-            await job.next_link.abort(job.rid, CALL_TIMEOUT_S)
+            result = await job.next_link.abort(job.rid, CALL_TIMEOUT_S)
+            if not result.ended:
+                log.warning("the next stage's pushes of %s had not stopped when its abort answered", job.rid)
         except EngineError as e:
             log.info("could not abort %s on the next stage (%s); it gives the request up itself", job.rid, e)
 
