@@ -28,8 +28,7 @@ from mooncaked.conductor.fanout import first_chunks, merged
 from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
 from mooncaked.conductor.json_body import decode_json
 from mooncaked.conductor.openai_response import Responder, TokenTexts, usage
-from mooncaked.conductor.openai_schema import ApiError, GenerateSpec, ServedModel, parse_chat, parse_completion
-from mooncaked.conductor.wire import spec_from_proto
+from mooncaked.conductor.openai_schema import ApiError, OpenAIRequest, ServedModel, parse_chat, parse_completion
 from mooncaked.security import TOKEN_HEADER, Security
 
 log = logging.getLogger(__name__)
@@ -134,7 +133,7 @@ class HttpFront:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, await self._parse(request, parse_chat))
 
-    async def _parse(self, request: web.Request, parse) -> GenerateSpec:
+    async def _parse(self, request: web.Request, parse) -> OpenAIRequest:
         try:
             return parse(await self.body(request), self.served)
         except ApiError:
@@ -146,23 +145,18 @@ class HttpFront:
         """Token id -> text for log-probs, with the conductor's tokenizer."""
         return TokenTexts(lambda ids: self.conductor.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _prompt_text(self, spec: GenerateSpec) -> str:
+    def _prompt_text(self, spec: OpenAIRequest) -> str:
         """What ``echo`` puts before the answer: the prompt as sent, or its token ids decoded."""
         if not spec.echo:
             return ""
-        if spec.request.WhichOneof("input") == "prompt":
-            return spec.request.prompt
-        return self.conductor.tokenizer.decode(list(spec.request.token_ids.ids), skip_special_tokens=False)
+        if spec.spec.prompt is not None:
+            return spec.spec.prompt
+        return self.conductor.tokenizer.decode(list(spec.spec.token_ids or []), skip_special_tokens=False)
 
-    async def _generate(self, request: web.Request, spec: GenerateSpec) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, spec: OpenAIRequest) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
             streams = []
-            try:
-                specs = [spec_from_proto(req, front="http") for req in spec.choice_requests()]
-            except errors.BadRequest as e:  # sampling the engine cannot honour
-                metrics.refused("http", "invalid_argument")
-                raise api_error(e) from None
-            for one in specs:  # n > 1: one request per choice (fanout.py)
+            for one in spec.choice_specs():  # n > 1: one request per choice (fanout.py)
                 stream = self.conductor.generate(one)
                 stack.push_async_callback(stream.aclose)
                 streams.append(stream)

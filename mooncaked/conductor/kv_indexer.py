@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncaked.conductor.openai_schema import ApiError, bad
 from mooncaked.conductor.prefix_index import POOL_HOLDER
 from mooncaked.conductor.registry import DEAD
 from mooncaked.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from mooncaked.conductor.core import Conductor
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +89,10 @@ def _ints(v: Any, name: str, limit: int, max_len: int) -> list[int]:
 
 
 class KVIndexer:
-    """The indexer handlers' logic; ``service`` gives the registry, the index and the cluster's
-    model, block size and hash seed."""
+    """The indexer handlers' logic over the conductor's core: its registry, prefix index and the
+    cluster's model, block size and hash seed."""
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Conductor) -> None:
         self.service = service
         self.sources: dict[str, Source] = {}
 

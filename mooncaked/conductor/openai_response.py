@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncaked.conductor.openai_schema import GenerateSpec
+from mooncaked.conductor.openai_schema import OpenAIRequest
 from mooncaked.proto.mooncake.v1 import conductor_pb2
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM answers this instead
@@ -66,7 +66,7 @@ class _Choice:
 class Responder:
     """Builds the bodies of one request's answer (``rid``: the first choice's request id)."""
 
-    def __init__(self, spec: GenerateSpec, rid: str, texts: TokenTexts, prompt_text: str = "") -> None:
+    def __init__(self, spec: OpenAIRequest, rid: str, texts: TokenTexts, prompt_text: str = "") -> None:
         self.spec = spec
         self.rid = rid
         self.texts = texts

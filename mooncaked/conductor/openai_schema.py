@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> our ``GenerateRequest`` (the answers' shapes: openai_response.py).
+"""OpenAI request bodies -> the conductor core's ``GenerateSpec`` (the answers' shapes: openai_response.py).
 
 Validation happens here, once, before anything is scheduled: every field is checked for type
 and range so a bad request costs no prefill and gets a 400 that names the field. Fields we do
@@ -14,10 +14,12 @@ import math
 import reprlib
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2
+from mooncaked.conductor.core import GenerateSpec
+from mooncaked.engine import RequestError, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request: each is a request of its own on the cluster
@@ -58,11 +60,11 @@ class ServedModel:
 
 
 @dataclass
-class GenerateSpec:
-    """A validated OpenAI request: the wire request plus how to answer it."""
+class OpenAIRequest:
+    """A validated OpenAI request: what the conductor's core serves (``spec``) plus how to answer it."""
 
     model: str  # the served model's canonical id, whatever alias the client sent
-    request: conductor_pb2.GenerateRequest
+    spec: GenerateSpec
     chat: bool
     stream: bool = False
     include_usage: bool = False
@@ -71,15 +73,14 @@ class GenerateSpec:
     echo: bool = False  # completions: the answer's text starts with the prompt's
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def choice_requests(self) -> list[conductor_pb2.GenerateRequest]:
+    def choice_specs(self) -> list[GenerateSpec]:
         """One request per choice; with a seed, choice i samples with ``seed + i`` so choices differ."""
         out = []
         for i in range(self.n):
-            req = conductor_pb2.GenerateRequest()
-            req.CopyFrom(self.request)
-            if i and req.sampling.HasField("seed"):
-                req.sampling.seed = (req.sampling.seed + i) % _U64
-            out.append(req)
+            sampling = self.spec.sampling
+            if i and sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % _U64)
+            out.append(dataclasses.replace(self.spec, sampling=sampling))
         return out
 
 
@@ -167,7 +168,7 @@ def _model(body: dict, served: ServedModel) -> str:
     return served.names[0]
 
 
-def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -> common_pb2.SamplingParams:
+def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -> SamplingParams:
     ctx = served.max_context
     max_tokens = _int(body, "max_completion_tokens", 1, ctx, f"between 1 and the model's context ({ctx})")
     if max_tokens is None:
@@ -194,17 +195,16 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -
     presence = _number(body, "presence_penalty", -2.0, 2.0, "between -2 and 2")
     frequency = _number(body, "frequency_penalty", -2.0, 2.0, "between -2 and 2")
     repetition = _number(body, "repetition_penalty", 0.0, math.inf, "greater than 0 (1 is off)", lo_open=True)
-    p = common_pb2.SamplingParams(
+    p = SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-        top_k=0 if top_k in (None, -1) else top_k, min_p=min_p or 0.0, stop=stop, stop_token_ids=stop_ids,
-        ignore_eos=_bool(body, "ignore_eos"), skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        presence_penalty=presence or 0.0, frequency_penalty=frequency or 0.0)
-    if top_p is not None:
-        p.top_p = top_p
-    if seed is not None:
-        p.seed = seed
-    if repetition is not None and repetition != 1:
-        p.repetition_penalty = repetition
+        top_k=0 if top_k in (None, -1) else top_k, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+        seed=seed, stop=list(stop), stop_token_ids=list(stop_ids), ignore_eos=_bool(body, "ignore_eos"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True), presence_penalty=presence or 0.0,
+        frequency_penalty=frequency or 0.0, repetition_penalty=1.0 if repetition is None else repetition)
+    try:
+        p.validate()
+    except RequestError as e:  # a combination the engine cannot honour
+        raise bad(str(e)) from None
     return p
 
 
@@ -213,10 +213,9 @@ def _n(body: dict) -> int:
     return 1 if n is None else n
 
 
-def _ask_logprobs(p: common_pb2.SamplingParams, top: int | None) -> int | None:
+def _ask_logprobs(spec: GenerateSpec, top: int | None) -> int | None:
     if top is not None:
-        p.logprobs = True
-        p.top_logprobs = top
+        spec.sampling = dataclasses.replace(spec.sampling, logprobs=True, top_logprobs=top)
     return top
 
 
@@ -248,26 +247,26 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
         if len(prompt) != 1:
             raise bad("batched prompts are not supported; send one prompt per request", "prompt")
         prompt = prompt[0]
-    req = conductor_pb2.GenerateRequest(sampling=_sampling(body, served, 16))
+    req = GenerateSpec(sampling=_sampling(body, served, 16), front="http")
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt is empty", "prompt")
         req.prompt = prompt
         req.raw = True
     elif isinstance(prompt, list):
-        req.token_ids.ids.extend(_token_ids(prompt, served, "prompt"))
+        req.token_ids = _token_ids(prompt, served, "prompt")
     elif prompt is None:
         raise bad("prompt is required", "prompt")
     else:
         raise bad(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    logprobs = _ask_logprobs(req.sampling, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS,
-                                                f"between 0 and {MAX_COMPLETION_LOGPROBS}"))
+    logprobs = _ask_logprobs(req, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS,
+                                       f"between 0 and {MAX_COMPLETION_LOGPROBS}"))
     echo = _bool(body, "echo")
     if echo and logprobs is not None:
         raise bad("echo with logprobs would need the prompt's log-probs, which this server does not compute; "
                   "drop echo or logprobs", "echo", "unsupported_parameter")
     stream, usage = _stream_flags(body)
-    return GenerateSpec(model, req, chat=False, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs,
+    return OpenAIRequest(model, req, chat=False, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs,
                         echo=echo)
 
 
@@ -291,20 +290,20 @@ def parse_chat(body: Any, served: ServedModel) -> GenerateSpec:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list", "messages")
-    req = conductor_pb2.GenerateRequest(sampling=_sampling(body, served, None))
+    req = GenerateSpec(sampling=_sampling(body, served, None), messages=[], front="http")
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
         role = m.get("role")
         if role not in _CHAT_ROLES:
             raise bad(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}", f"messages[{i}].role")
-        req.messages.messages.add(role=role, content=_content(m, i))
+        req.messages.append({"role": role, "content": _content(m, i)})
     top = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS, f"between 0 and {MAX_CHAT_TOP_LOGPROBS}")
     if _bool(body, "logprobs"):
-        logprobs = _ask_logprobs(req.sampling, top or 0)
+        logprobs = _ask_logprobs(req, top or 0)
     elif top:
         raise bad("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
         logprobs = None
     stream, usage = _stream_flags(body)
-    return GenerateSpec(model, req, chat=True, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs)
+    return OpenAIRequest(model, req, chat=True, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs)
