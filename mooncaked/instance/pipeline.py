@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 INBOX_REGION = "cpp-inbox"  # hidden states written here by the previous stage
 OUTBOX_REGION = "cpp-outbox"  # hidden states staged here for the next stage
 DEFAULT_SLOTS = 2  # prompts a stage pipelines at once (each slot holds one prompt's hidden states)
+MAX_SLOT_BYTES = 256 << 20  # one slot's hidden states at most (a longer prompt is refused, naming the limit)
 CALL_TIMEOUT_S = 10.0  # one control call to the next stage
 INPUT_IDLE_S = 10.0  # a stage whose previous stage sent nothing for this long gives the request up
 FINISH_WAIT_S = 60.0  # a computed request nobody asks the result of is given up after this long
@@ -91,7 +92,7 @@ class Pipeline:
         self.stage = worker.engine.stage
         cfg = self.engine.model_config
         self.row_bytes = cfg.hidden_size * self.engine.dtype.itemsize
-        self.slot_rows = self.engine.max_model_len
+        self.slot_rows = min(self.engine.max_model_len, MAX_SLOT_BYTES // self.row_bytes)
         self.slot_bytes = self.slot_rows * self.row_bytes
         self.free_slots = list(range(slots))
         self.slots_free = asyncio.Semaphore(slots)
