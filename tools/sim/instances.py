@@ -41,6 +41,8 @@ class Job:
 
 
 class SimPrefill:
+    stages = 1  # machines in this prefill unit (a CPP group has more)
+
     def __init__(self, name: str, profile: Profile, model: InstanceModel, index: PrefixIndex, speed: float,
                  cache_blocks: int, noise: float, rng: random.Random) -> None:
         self.name = name
@@ -96,12 +98,20 @@ class SimPrefill:
         cached = max(0, min(reuse * bs, req.input_length - 1))
         job.reused_blocks, job.pulled_blocks = reuse, reuse - own
         job.computed_tokens = req.input_length - cached
-        transfer = self.profile.block_bytes * (own / self.profile.local_bps + (reuse - own) / self.profile.remote_bps)
+        transfer = self.load_s(own, reuse - own)
         jitter = math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0
-        job.compute_s = self.profile.prefill_s(job.computed_tokens, cached) / self.speed * jitter
+        job.compute_s = self.compute_s(job.computed_tokens, cached) * jitter
         job.started_s = now
         self.backlog.start(str(req.index), now)
         return now + transfer + job.compute_s
+
+    def load_s(self, local_blocks: int, pulled_blocks: int) -> float:
+        """Bringing reused blocks in: its own over the local link, pulled ones over the network."""
+        return self.profile.block_bytes * (local_blocks / self.profile.local_bps + pulled_blocks / self.profile.remote_bps)
+
+    def compute_s(self, tokens: int, prefix: int) -> float:
+        """The prefill of ``tokens`` after ``prefix`` cached ones, before jitter."""
+        return self.profile.prefill_s(tokens, prefix) / self.speed
 
     def complete(self, now: float) -> Job:
         job = self.running

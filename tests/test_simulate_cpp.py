@@ -1,0 +1,123 @@
+"""Chunked pipeline parallel (CPP) groups in the simulator: the time model and the policies over groups."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncaked.conductor.cost_model import A800_LLAMA2_70B, PrefillTimeModel
+from mooncaked.conductor.pipeline_cost import (PipelinePrefillModel, PipelineShape, chunk_plan, pipeline_prefill_s,
+                                               pipeline_seconds)
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+PROF = A800_LLAMA2_70B
+
+
+def flat(c: int, p: int) -> float:
+    """A step time linear in new tokens and blind to the prefix: the schedule's arithmetic alone."""
+    return c * 1e-3
+
+
+def test_chunks_cover_the_uncached_tokens_after_the_prefix():
+    assert chunk_plan(10_000, 2048, 4096) == [(4096, 2048), (4096, 6144), (1808, 10240)]
+    assert chunk_plan(1, 0, 4096) == [(1, 0)]
+    assert chunk_plan(0, 512, 4096) == []
+
+
+def test_a_one_chunk_prompt_gains_nothing_from_stages():
+    shape = PipelineShape.even(4, chunk_tokens=4096)
+    one = pipeline_prefill_s(PROF.prefill_s, 3000, 0, shape)
+    assert one == pytest.approx(PROF.prefill_s(3000, 0))  # every stage in turn: the whole model, once
+
+
+def test_many_chunks_approach_one_over_n_plus_one_chunk_fill_and_drain():
+    n, c, stages = 64 * 4096, 4096, 4
+    shape = PipelineShape.even(stages, chunk_tokens=c)
+    t = pipeline_prefill_s(flat, n, 0, shape)
+    # steady state: one stage's share of every chunk; fill and drain: the first chunk's other stages
+    assert t == pytest.approx(n * 1e-3 / stages + (stages - 1) * c * 1e-3 / stages)
+    assert n * 1e-3 / stages < t < n * 1e-3 / stages * 1.1
+
+
+def test_the_real_profile_is_neither_one_machine_nor_n_times_faster():
+    shape = PipelineShape.for_profile(PROF, 2, 4096)
+    for n in (8192, 40_000, 128_000):
+        one = PROF.prefill_s(n, 0)
+        group = pipeline_prefill_s(PROF.prefill_s, n, 0, shape)
+        assert one / 2 < group < one, n
+    # the longer the prompt, the closer to 1/2 (fill and drain are one chunk's)
+    ratios = [pipeline_prefill_s(PROF.prefill_s, n, 0, shape) / PROF.prefill_s(n, 0) for n in (8192, 40_000, 128_000)]
+    assert ratios == sorted(ratios, reverse=True)
+
+
+def test_the_hidden_state_hop_is_counted_once_per_chunk_and_boundary():
+    c, hop = 1000, 1e-5
+    plain = PipelineShape.even(3, chunk_tokens=c)
+    hopping = PipelineShape.even(3, chunk_tokens=c, hop_s_per_token=hop)
+    one_chunk = pipeline_prefill_s(flat, c, 0, hopping) - pipeline_prefill_s(flat, c, 0, plain)
+    assert one_chunk == pytest.approx(2 * c * hop)  # two stage boundaries
+    # the profile's figure: 16 KiB of hidden state per token over the 100 GB/s link
+    assert PipelineShape.for_profile(PROF, 2).hop_s_per_token == pytest.approx(8192 * 2 / PROF.remote_bps)
+
+
+def test_the_slowest_stage_sets_the_steady_state():
+    shape = PipelineShape.even(2, chunk_tokens=1000)
+    fast = pipeline_seconds([1.0] * 10, [1000] * 10, shape, speeds=(1.0, 1.0))
+    slow = pipeline_seconds([1.0] * 10, [1000] * 10, shape, speeds=(1.0, 0.5))
+    assert fast == pytest.approx(5.5) and slow == pytest.approx(0.5 + 10 * 1.0)
+
+
+def test_uneven_layers_split_into_contiguous_whole_ranges():
+    shape = PipelineShape.even(3, num_layers=80)
+    assert [round(f * 80) for f in shape.stage_fractions] == [27, 27, 26]
+    with pytest.raises(ValueError):
+        PipelineShape((0.5, 0.4), 4096)
+
+
+def test_the_group_model_learns_its_measured_times_not_an_assumed_speedup():
+    """A group measured 1.5x slower than the schedule of one machine predicts: the model follows."""
+    shape = PipelineShape.for_profile(PROF, 2)
+    model = PipelinePrefillModel(PrefillTimeModel(PROF.prefill_coef), shape)
+    truth = [(n, p, 1.5 * pipeline_prefill_s(PROF.prefill_s, n, p, shape))
+             for n in (2000, 9000, 30000) for p in (0, 8192)]
+    before = model.predict(20000, 4096)
+    for _ in range(20):
+        for n, p, s in truth:
+            model.observe(n, p, s)
+    assert model.predict(20000, 4096) == pytest.approx(1.5 * before, rel=0.05)
+
+
+def test_a_group_in_the_simulator_runs_the_schedule(tmp_path):
+    from sim.engine import SimConfig, Simulation
+    from sim.trace import TraceRequest
+    from mooncaked.conductor.policies import make_policy
+
+    trace = [TraceRequest(0, 0.0, 40_960, 2, tuple(range(80)))]
+    cfg = SimConfig(prefill=2, decode=1, profile=PROF, pipeline_groups=1, pipeline_stages=2, noise=0.0,
+                    heterogeneity=0.0, cpp_chunk_tokens=4096)
+    sim = Simulation(trace, cfg, make_policy("mooncake"))
+    result = sim.run()
+    shape = PipelineShape.for_profile(PROF, 2, 4096)
+    assert sim.outcomes[0].prefill == "group-0"
+    assert result.mean_ttft_s == pytest.approx(pipeline_prefill_s(PROF.prefill_s, 40_960, 0, shape))
+    assert PROF.prefill_s(40_960, 0) / 2 < result.mean_ttft_s < PROF.prefill_s(40_960, 0)
+
+
+def test_groups_use_machines_out_of_the_prefill_count(tmp_path, capsys):
+    from test_simulate import BUNDLED_TRACE, load_simulate
+
+    simulate = load_simulate()
+    rc = simulate.main(["--trace", str(BUNDLED_TRACE), "--max-requests", "60", "--prefill", "5", "--decode", "2",
+                        "--pipeline-groups", "2", "--pipeline-stages", "2", "--policy", "mooncake", "mooncaked",
+                        "--json", "-"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["pipeline_groups"] == 2 and set(report["policies"]) == {"mooncake", "mooncaked"}
+    assert all(row["served"] == 60 for row in report["policies"].values())
+    with pytest.raises(SystemExit):
+        simulate.main(["--prefill", "3", "--pipeline-groups", "2", "--pipeline-stages", "2", "--json", "-"])
