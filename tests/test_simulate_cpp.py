@@ -121,3 +121,62 @@ def test_groups_use_machines_out_of_the_prefill_count(tmp_path, capsys):
     assert all(row["served"] == 60 for row in report["policies"].values())
     with pytest.raises(SystemExit):
         simulate.main(["--prefill", "3", "--pipeline-groups", "2", "--pipeline-stages", "2", "--json", "-"])
+
+
+# -- policies over groups ----------------------------------------------------------------------------
+def _views(prompt_blocks: int, group_queued_s: float = 0.0):
+    from mooncaked.conductor.pipeline_cost import pipeline_instance_model
+    from mooncaked.conductor.views import ClusterView, InstanceView, RequestView
+
+    shape = PipelineShape.for_profile(PROF, 4)
+    group = InstanceView("group-0", "prefill", pipeline_instance_model(PROF, shape), pipeline_stages=4,
+                         queued_s=group_queued_s)
+    single = InstanceView("prefill-4", "prefill", PROF.instance_model())
+    dec = InstanceView("decode-0", "decode", PROF.instance_model(), total_kv_blocks=10_000, free_kv_blocks=10_000)
+    req = RequestView(prompt_blocks * PROF.block_size, tuple(range(prompt_blocks)), PROF.block_size, 10)
+    return req, ClusterView(0.0, (group, single), (dec,))
+
+
+@pytest.mark.parametrize("blocks, mooncake_to, mooncaked_to", [
+    (4, "prefill-4", "prefill-4"),     # one chunk: no group is faster
+    (9, "group-0", "prefill-4"),       # a chunk and a bit: a little faster, not worth 4 machines
+    (80, "group-0", "group-0"),        # 10 chunks: nearly 4x
+])
+def test_mooncaked_keeps_prompts_a_group_barely_speeds_up_off_it(blocks, mooncake_to, mooncaked_to):
+    from mooncaked.conductor.policies import make_policy
+
+    req, view = _views(blocks)
+    assert make_policy("mooncake").decide(req, view).prefill == mooncake_to
+    assert make_policy("mooncaked").decide(req, view).prefill == mooncaked_to
+
+
+def test_a_busy_group_loses_to_an_idle_single_when_the_wait_eats_the_gain():
+    from mooncaked.conductor.policies import make_policy
+
+    req, view = _views(80, group_queued_s=30.0)
+    assert make_policy("mooncaked").decide(req, view).prefill == "prefill-4"
+
+
+def test_elastic_pipelines_a_long_prompt_over_idle_singles_in_the_simulator():
+    from sim.elastic import ElasticDecision, make_sim_policy
+    from sim.engine import SimConfig, Simulation
+    from sim.trace import TraceRequest
+
+    # a long prompt, then a short one while the long one holds every machine
+    trace = [TraceRequest(0, 0.0, 80 * 512, 2, tuple(range(80))), TraceRequest(1, 0.5, 1000, 2, (1000, 1001))]
+    cfg = SimConfig(prefill=4, decode=1, profile=PROF, noise=0.0, heterogeneity=0.0)
+    policy = make_sim_policy("mooncaked_elastic", PROF, chunk_tokens=4096, max_stages=4)
+    sim = Simulation(trace, cfg, policy)
+    decided = []
+    decide = policy.decide
+    policy.decide = lambda r, c: decided.append(decide(r, c)) or decided[-1]
+    result = sim.run()
+    first, second = decided
+    assert isinstance(first, ElasticDecision) and len(first.helpers) >= 1
+    stages = 1 + len(first.helpers)
+    expected = pipeline_prefill_s(PROF.prefill_s, 80 * 512, 0, PipelineShape.for_profile(PROF, stages, 4096))
+    assert sim.outcomes[0].ttft_s == pytest.approx(expected)
+    assert sim.outcomes[0].ttft_s < PROF.prefill_s(80 * 512, 0) / 2
+    # the lent machines are busy: the short prompt goes to one left idle, or waits
+    assert second.prefill not in (first.prefill, *first.helpers) or sim.outcomes[1].wait_s > 0
+    assert result.served == 2 and result.prefill_tokens_computed == 80 * 512 + 1000

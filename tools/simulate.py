@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 from mooncaked.conductor.cost_model import PROFILES, Profile  # noqa: E402
 from mooncaked.conductor.early_rejection import SLO  # noqa: E402
 from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS  # noqa: E402
-from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES, make_policy  # noqa: E402
+from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES  # noqa: E402
+from sim.elastic import DEFAULT_MAX_STAGES, ELASTIC_POLICY, make_sim_policy  # noqa: E402
 from sim.engine import SimConfig, Simulation  # noqa: E402
 from sim.metrics import PolicyResult, average, format_table  # noqa: E402
 from sim.trace import DEFAULT_TRACE, load_trace  # noqa: E402
@@ -80,8 +81,10 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
     for name in args.policy:
         runs = []
         for seed in range(args.seed, args.seed + args.seeds):
-            policy = make_policy(name, slo=None if args.no_early_rejection else slo, seed=seed,
-                                 kvcache_balancing_threshold=args.threshold)
+            policy = make_sim_policy(name, cfg.profile, chunk_tokens=args.cpp_chunk_tokens,
+                                     max_stages=args.elastic_max_stages,
+                                     slo=None if args.no_early_rejection else slo, seed=seed,
+                                     kvcache_balancing_threshold=args.threshold)
             runs.append(Simulation(trace, dataclasses.replace(cfg, seed=seed), policy).run())
             log.info("%s (seed %d): mean TTFT %.2f s, %.1f s of wall time", name, seed, runs[-1].mean_ttft_s,
                      runs[-1].wall_s)
@@ -100,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-stages", type=int, default=2, help="machines (stages) per CPP group")
     ap.add_argument("--cpp-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                     help="prompt tokens per pipeline chunk")
-    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, metavar="NAME",
-                    help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)})")
+    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
+                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
+                                         f"{ELASTIC_POLICY}: simulation only, pipelines a prompt over idle "
+                                         "single instances)")
+    ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
+                    help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
     ap.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
     ap.add_argument("--tbt-slo", type=float, default=SLO().tbt_s, help="seconds")

@@ -130,35 +130,50 @@ class Simulation:
             if events and (i >= len(trace) or events[0][0] <= trace[i].arrival_s):
                 now, _, name = heapq.heappop(events)
                 nxt = self._prefill_done(self._p[name], now)
+                started = [(name, nxt)]
             else:
                 req = trace[i]
                 i += 1
                 now = req.arrival_s
-                name, nxt = self._arrive(req, now)
-            if nxt is not None:
-                seq += 1
-                heapq.heappush(events, (nxt, seq, name))
+                started = self._arrive(req, now)
+            for name, nxt in started:
+                if nxt is not None:
+                    seq += 1
+                    heapq.heappush(events, (nxt, seq, name))
         for d in self.decodes:
             d.advance(float("inf"))
         return summarize(self.policy.name, self.outcomes, self.cfg.slo, time.perf_counter() - t0)
 
-    def _arrive(self, req: TraceRequest, now: float) -> tuple[str, float | None]:
+    def _arrive(self, req: TraceRequest, now: float) -> list[tuple[str, float | None]]:
+        """Route one arrival; returns (prefill unit, finish time of the job it started or None) per unit."""
         view = RequestView(req.input_length, req.hash_ids, self.profile.block_size,
                            max(req.output_length, 1), req.arrival_s, str(req.index))
         decision = self.policy.decide(view, self._cluster(now, req))
         out = self.outcomes[self._by_index[req.index]]
         if not isinstance(decision, Decision):
             out.rejected = decision.reason
-            return "", None
+            return []
         out.prefill, out.decode = decision.prefill, decision.decode
         if req.output_length > 1:
             self._d[decision.decode].incoming[req.index] = SeqLoad(req.input_length + 1, req.output_length - 1,
                                                                    now + decision.predicted_ttft_s)
         p = self._p[decision.prefill]
-        return p.name, p.enqueue(Job(req, decision, now), now)
+        job = Job(req, decision, now)
+        helpers = [self._p[h] for h in getattr(decision, "helpers", ())]
+        helpers = [h for h in helpers if h.idle] if p.idle else []  # the books may be behind: only idle ones
+        if helpers:
+            job.pipeline = PipelineShape.for_profile(self.profile, 1 + len(helpers), decision.chunk_tokens)
+            job.stage_speeds = tuple(h.speed for h in helpers)
+        done = p.enqueue(job, now)
+        started = [(p.name, done)]
+        for h in helpers:  # lent until the pipeline finishes
+            started.append((h.name, h.enqueue(Job(req, decision, now, hold_s=done - now), now)))
+        return started
 
     def _prefill_done(self, p: SimPrefill, now: float) -> float | None:
         job = p.complete(now)
+        if job.lent:
+            return p.start_next(now)
         req = job.req
         out = self.outcomes[self._by_index[req.index]]
         out.computed_tokens = job.computed_tokens
