@@ -40,10 +40,13 @@ class ElasticDecision(Decision):
 class ElasticMooncakedPolicy(MooncakedPolicy):
     """``mooncaked``, and a prompt may grow a pipeline over idle single instances.
 
-    After ``mooncaked``'s choice, when that instance is idle, stages are added one at a time
-    from the other idle single instances (the ones predicted fastest first) while each one
-    more cuts the predicted TTFT by the factor ``1 + GROUP_MIN_GAIN``, the same bar a static
-    group must clear: a machine is borrowed only where it earns its keep.
+    After ``mooncaked``'s choice, when that instance is idle, the pipeline doubles (2, 4, 8
+    stages, at most ``max_stages`` and the idle single instances there are, predicted fastest
+    first) while each doubling cuts the predicted TTFT by the factor ``1 + GROUP_MIN_GAIN``,
+    the bar a static group must clear: machines are borrowed only where they earn their keep.
+    (Growing one stage at a time stops at 3-4 stages, where one more gains < 1.3x: first half
+    of the bundled trace, 16 singles, seeds 0-3: 1.084 s against 0.996 s doubling; 4 stages
+    at most 0.988 s, 16 at most 1.021 s.)
     """
 
     name = ELASTIC_POLICY
@@ -71,8 +74,10 @@ class ElasticMooncakedPolicy(MooncakedPolicy):
         cached = max(0, min(est.reuse_blocks * request.block_size, request.prompt_len - 1))
         lead_probe = lead.model.prefill.predict(probe, 0)
         best, helpers = est, ()
-        for k in range(1, min(self.max_stages, len(idle) + 1)):
-            shape = self.shape_for(k + 1)
+        most = min(self.max_stages, len(idle) + 1)
+        for stages in sorted({min(2 ** i, most) for i in range(1, most.bit_length() + 1)} - {1}):
+            k = stages - 1
+            shape = self.shape_for(stages)
             speeds = (1.0, *(lead_probe / max(p.model.prefill.predict(probe, 0), 1e-12) for p in idle[:k]))
             prefill = pipeline_prefill_s(lead.model.prefill.predict, request.prompt_len - cached, cached, shape, speeds)
             cand = PrefillEstimate(lead, est.reuse_blocks, est.local_blocks,
