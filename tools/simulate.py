@@ -15,7 +15,13 @@ of the same slice on that cluster shape reports, under the same names: ``mean_tt
 ``p90_ttft_s``, ``cache_hit_rate`` (cached prompt tokens / prompt tokens),
 ``prefill_tokens_computed``.
 
+Chunked pipeline parallel (CPP) groups: ``--pipeline-groups G --pipeline-stages S`` make G
+groups of S of the ``--prefill`` machines, each one prefill unit (``tools/sim/pipeline.py``);
+``--policy mooncaked_elastic`` (simulation only) pipelines a long prompt over idle single
+instances instead (``tools/sim/elastic.py``).
+
     python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
+    python tools/simulate.py --seeds 4 --pipeline-groups 2 --pipeline-stages 4 --policy mooncake mooncaked
     python tools/simulate.py --quick --json -            # one JSON object on stdout
     python tools/simulate.py --profile engine.json --prefill 2 --decode 2 --max-requests 120 \
         --time-scale 0.2 --length-scale 0.01             # the slice tools/replay.py sends
