@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pipeline_groups < 0 or (args.pipeline_groups and (
             args.pipeline_stages < 2 or args.pipeline_groups * args.pipeline_stages > args.prefill)):
         ap.error("--pipeline-groups x --pipeline-stages (at least 2) must fit in --prefill")
-    if args.cpp_chunk_tokens < 1:
-        ap.error("--cpp-chunk-tokens must be positive")
+    if args.cpp_chunk_tokens < 1 or args.elastic_max_stages < 1:
+        ap.error("--cpp-chunk-tokens and --elastic-max-stages must be positive")
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
     if args.time_scale < 0 or args.length_scale <= 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mooncaked.conductor.cost_model import DecodeTimeModel, InstanceModel, PrefillTimeModel, Profile, TransferModel
 
@@ -102,7 +102,7 @@ def pipeline_seconds(chunk_s: Sequence[float], chunk_tokens: Sequence[int], shap
     return free[-1]
 
 
-def pipeline_prefill_s(step_s, tokens: int, prefix: int, shape: PipelineShape,
+def pipeline_prefill_s(step_s: Callable[[int, int], float], tokens: int, prefix: int, shape: PipelineShape,
                        speeds: Sequence[float] | None = None) -> float:
     """The group's prefill time when one machine computes ``c`` new tokens after ``p`` in ``step_s(c, p)``."""
     plan = chunk_plan(tokens, prefix, shape.chunk_tokens)

@@ -22,6 +22,7 @@ from mooncaked.conductor.policies import Policy
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
 
+from .elastic import ElasticDecision
 from .instances import Job, Seq, SimDecode, SimPrefill
 from .metrics import Outcome, PolicyResult, summarize
 from .pipeline import SimPipelineGroup
@@ -45,10 +46,6 @@ class SimConfig:
     pipeline_groups: int = 0   # of the ``prefill`` machines, this many CPP groups of ``pipeline_stages`` each
     pipeline_stages: int = 2
     cpp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-
-    def prefill_units(self) -> int:
-        """Prefill units the scheduler chooses among: the groups and the machines left single."""
-        return self.pipeline_groups + self.prefill - self.pipeline_groups * self.pipeline_stages
 
 
 class Simulation:
@@ -159,7 +156,7 @@ class Simulation:
                                                                    now + decision.predicted_ttft_s)
         p = self._p[decision.prefill]
         job = Job(req, decision, now)
-        helpers = [self._p[h] for h in getattr(decision, "helpers", ())]
+        helpers = [self._p[h] for h in decision.helpers] if isinstance(decision, ElasticDecision) else []
         helpers = [h for h in helpers if h.idle] if p.idle else []  # the books may be behind: only idle ones
         if helpers:
             job.pipeline = PipelineShape.for_profile(self.profile, 1 + len(helpers), decision.chunk_tokens)

@@ -5,7 +5,7 @@ prefix cache of those layers, the prompt's uncached tokens go through in chunks,
 chunk i's hidden states cross to stage K+1 while stage K computes chunk i+1. Its prefill
 time is the pipeline schedule (``mooncaked.conductor.pipeline_cost``) over the profile's
 step time of each chunk at its prefix, each stage's share of the layers at that machine's
-own speed: modelled, not measured (``tools/bench_cpp.py`` measures a live group).
+own speed: modelled, not measured (``tools/bench_cpp.py`` is to measure a live group).
 
 Like a single simulated instance it runs one prompt at a time: the next prompt does not
 enter stage 0 while the last one drains (an overlap the live group may or may not have).
