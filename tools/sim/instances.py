@@ -131,7 +131,8 @@ class SimPrefill:
 
     def load_s(self, local_blocks: int, pulled_blocks: int) -> float:
         """Bringing reused blocks in: its own over the local link, pulled ones over the network."""
-        return self.profile.block_bytes * (local_blocks / self.profile.local_bps + pulled_blocks / self.profile.remote_bps)
+        prof = self.profile
+        return prof.block_bytes * (local_blocks / prof.local_bps + pulled_blocks / prof.remote_bps)
 
     def compute_s(self, tokens: int, prefix: int) -> float:
         """The prefill of ``tokens`` after ``prefix`` cached ones, before jitter."""
