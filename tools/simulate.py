@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
                     seed=args.seed, noise=args.noise, heterogeneity=args.heterogeneity,
                     cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens,
                     length_scale=args.length_scale, pipeline_groups=args.pipeline_groups,
-                    pipeline_stages=args.pipeline_stages, cpp_chunk_tokens=args.cpp_chunk_tokens)
+                    pipeline_stages=args.pipeline_stages, cpp_chunk_tokens=args.cpp_chunk_tokens,
+                    cpp_group_pulls=args.cpp_group_pulls)
     log.info("%d requests over %.0f s; %d prefill (%s) + %d decode instances, profile %s", len(trace),
              trace[-1].arrival_s - trace[0].arrival_s, args.prefill, shape_text(args), args.decode, cfg.profile.name)
     results = []
@@ -109,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-stages", type=int, default=2, help="machines (stages) per CPP group")
     ap.add_argument("--cpp-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
                     help="prompt tokens per pipeline chunk")
+    ap.add_argument("--cpp-group-pulls", action="store_true",
+                    help="let CPP groups pull prefix blocks from the pool (the live router does not yet: a group "
+                         "reuses its stages' own caches only)")
     ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
                     metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
                                          f"{ELASTIC_POLICY}: simulation only, pipelines a prompt over idle "
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "config": {"trace": str(args.trace), "prefill": args.prefill, "decode": args.decode, "profile": args.profile,
                    "pipeline_groups": args.pipeline_groups, "pipeline_stages": args.pipeline_stages,
-                   "cpp_chunk_tokens": args.cpp_chunk_tokens,
+                   "cpp_chunk_tokens": args.cpp_chunk_tokens, "cpp_group_pulls": args.cpp_group_pulls,
                    "requests": results[0].requests, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo,
                    "early_rejection": not args.no_early_rejection,
                    "kvcache_balancing_threshold": args.threshold, "time_scale": args.time_scale,

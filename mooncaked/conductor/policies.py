@@ -104,7 +104,8 @@ class Policy(ABC):
         est = self.choose_prefill(request, cluster, prefills)
         reach_s = cluster.now_s + est.ttft_s
         if self.early_rejection and self.enforce_slo:
-            unloaded = min(estimate(p, request, max(p.own_blocks, p.pool_blocks)).service_s for p in prefills)
+            unloaded = min(estimate(p, request, max(p.own_blocks, p.pool_blocks) if p.pulls else p.own_blocks).service_s
+                           for p in prefills)
             rejected = check_ttft(cluster.now_s - request.arrival_s + est.ttft_s, unloaded, self.slo)
             if rejected is not None:
                 return rejected
@@ -191,7 +192,7 @@ class MooncakePolicy(Policy):
         best_len = max(p.pool_blocks for p in prefills)
         choices = []
         for p in prefills:
-            pull = best_len > p.own_blocks and best_len > self.threshold * p.own_blocks
+            pull = p.pulls and best_len > p.own_blocks and best_len > self.threshold * p.own_blocks
             choices.append(estimate(p, request, best_len if pull else p.own_blocks))
         return min(choices, key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name))
 
@@ -219,7 +220,7 @@ class MooncakedPolicy(Policy):
     Against ``mooncake`` on the bundled trace (16P+16D, seeds 0-3; docs/performance.md,
     "Beyond Algorithm 1"): mean TTFT x0.984 on the whole trace, x0.968 on its held-out second
     half, SLO attainment no worse; the gain is the in-flight prefixes (the pull rule ties on
-    fast links). With 2 CPP groups of 4 + 8 single machines (simulated): x0.952 whole, x0.944
+    fast links). With 2 CPP groups of 4 + 8 single machines (simulated): x0.952 whole, x0.943
     held out. Live, the router fills ``pending_blocks`` from its ledger of routed prefills
     (router.PendingBlocks), and ``pipeline_stages`` and the group's pipeline model per group.
     """
@@ -238,7 +239,7 @@ class MooncakedPolicy(Policy):
         for p in prefills:
             local = max(p.own_blocks, p.pending_blocks)
             est = estimate(p, request, local, local)
-            if best_len > local:
+            if p.pulls and best_len > local:
                 pulled = estimate(p, request, best_len, local)
                 if pulled.service_s < est.service_s:
                     est = pulled

@@ -54,7 +54,9 @@ class InstanceView:
     ``model`` is this instance's own fitted step-time and transfer model. ``pipeline_stages``:
     machines this prefill unit spans, 1 for an instance, S for a chunked pipeline group the
     conductor treats as one unit (its ``model`` then predicts the whole pipeline, fill and
-    drain included: ``pipeline_cost.pipeline_instance_model``).
+    drain included: ``pipeline_cost.pipeline_instance_model``); ``pulls``: whether it can take
+    prefix blocks from another holder or the pool (a live CPP group cannot: its stages reuse
+    their own prefix caches only).
     """
 
     name: str
@@ -69,6 +71,7 @@ class InstanceView:
     queued_s: float = 0.0
     pending_blocks: int = 0
     pipeline_stages: int = 1
+    pulls: bool = True
     batch: tuple[SeqLoad, ...] = ()
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0

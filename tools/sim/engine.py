@@ -46,6 +46,7 @@ class SimConfig:
     pipeline_groups: int = 0   # of the ``prefill`` machines, this many CPP groups of ``pipeline_stages`` each
     pipeline_stages: int = 2
     cpp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    cpp_group_pulls: bool = False  # live, a group reuses only its stages' own prefix caches
 
 
 class Simulation:
@@ -105,7 +106,7 @@ class Simulation:
                          own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
                          pool_slow_blocks=look.pool_slow, queued_tokens=p.backlog.waiting_tokens,
                          queued_s=p.backlog.seconds(now), pending_blocks=p.pending_run(req.hash_ids),
-                         pipeline_stages=p.stages)
+                         pipeline_stages=p.stages, pulls=p.stages == 1 or self.cfg.cpp_group_pulls)
             for p in self.prefills)
         bs = self.profile.block_size
         decodes = []
