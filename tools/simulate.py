@@ -15,7 +15,13 @@ of the same slice on that cluster shape reports, under the same names: ``mean_tt
 ``p90_ttft_s``, ``cache_hit_rate`` (cached prompt tokens / prompt tokens),
 ``prefill_tokens_computed``.
 
+Chunked pipeline parallel (CPP) groups: ``--pipeline-groups G --pipeline-stages S`` make G
+groups of S of the ``--prefill`` machines, each one prefill unit (``tools/sim/pipeline.py``);
+``--policy mooncaked_elastic`` (simulation only) pipelines a long prompt over idle single
+instances instead (``tools/sim/elastic.py``).
+
     python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
+    python tools/simulate.py --seeds 4 --pipeline-groups 2 --pipeline-stages 4 --policy mooncake mooncaked
     python tools/simulate.py --quick --json -            # one JSON object on stdout
     python tools/simulate.py --profile engine.json --prefill 2 --decode 2 --max-requests 120 \
         --time-scale 0.2 --length-scale 0.01             # the slice tools/replay.py sends
@@ -36,7 +42,9 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from mooncaked.conductor.cost_model import PROFILES, Profile  # noqa: E402
 from mooncaked.conductor.early_rejection import SLO  # noqa: E402
-from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES, make_policy  # noqa: E402
+from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS  # noqa: E402
+from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES  # noqa: E402
+from sim.elastic import DEFAULT_MAX_STAGES, ELASTIC_POLICY, make_sim_policy  # noqa: E402
 from sim.engine import SimConfig, Simulation  # noqa: E402
 from sim.metrics import PolicyResult, average, format_table  # noqa: E402
 from sim.trace import DEFAULT_TRACE, load_trace  # noqa: E402
@@ -55,6 +63,14 @@ def load_profile(spec: str) -> Profile:
     return Profile.from_json(path)
 
 
+def shape_text(args: argparse.Namespace) -> str:
+    if not args.pipeline_groups:
+        return "all single"
+    singles = args.prefill - args.pipeline_groups * args.pipeline_stages
+    return (f"{args.pipeline_groups} CPP groups x {args.pipeline_stages} stages, {args.cpp_chunk_tokens}-token chunks"
+            f" + {singles} single")
+
+
 def run(args: argparse.Namespace) -> list[PolicyResult]:
     trace = load_trace(args.trace, args.max_requests, args.time_scale)
     if not trace:
@@ -63,15 +79,19 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
     cfg = SimConfig(prefill=args.prefill, decode=args.decode, profile=load_profile(args.profile), slo=slo,
                     seed=args.seed, noise=args.noise, heterogeneity=args.heterogeneity,
                     cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens,
-                    length_scale=args.length_scale)
-    log.info("%d requests over %.0f s; %d prefill + %d decode instances, profile %s", len(trace),
-             trace[-1].arrival_s - trace[0].arrival_s, args.prefill, args.decode, cfg.profile.name)
+                    length_scale=args.length_scale, pipeline_groups=args.pipeline_groups,
+                    pipeline_stages=args.pipeline_stages, cpp_chunk_tokens=args.cpp_chunk_tokens,
+                    cpp_group_pulls=args.cpp_group_pulls)
+    log.info("%d requests over %.0f s; %d prefill (%s) + %d decode instances, profile %s", len(trace),
+             trace[-1].arrival_s - trace[0].arrival_s, args.prefill, shape_text(args), args.decode, cfg.profile.name)
     results = []
     for name in args.policy:
         runs = []
         for seed in range(args.seed, args.seed + args.seeds):
-            policy = make_policy(name, slo=None if args.no_early_rejection else slo, seed=seed,
-                                 kvcache_balancing_threshold=args.threshold)
+            policy = make_sim_policy(name, cfg.profile, chunk_tokens=args.cpp_chunk_tokens,
+                                     max_stages=args.elastic_max_stages,
+                                     slo=None if args.no_early_rejection else slo, seed=seed,
+                                     kvcache_balancing_threshold=args.threshold)
             runs.append(Simulation(trace, dataclasses.replace(cfg, seed=seed), policy).run())
             log.info("%s (seed %d): mean TTFT %.2f s, %.1f s of wall time", name, seed, runs[-1].mean_ttft_s,
                      runs[-1].wall_s)
@@ -84,8 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     ap.add_argument("--prefill", type=int, default=16, help="prefill instances")
     ap.add_argument("--decode", type=int, default=16, help="decode instances")
-    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, metavar="NAME",
-                    help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)})")
+    ap.add_argument("--pipeline-groups", type=int, default=0,
+                    help="of the --prefill machines, this many form chunked pipeline (CPP) groups, each one "
+                         "prefill unit; the rest stay single")
+    ap.add_argument("--pipeline-stages", type=int, default=2, help="machines (stages) per CPP group")
+    ap.add_argument("--cpp-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+                    help="prompt tokens per pipeline chunk")
+    ap.add_argument("--cpp-group-pulls", action="store_true",
+                    help="let CPP groups pull prefix blocks from the pool (the live router does not yet: a group "
+                         "reuses its stages' own caches only)")
+    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
+                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
+                                         f"{ELASTIC_POLICY}: simulation only, pipelines a prompt over idle "
+                                         "single instances)")
+    ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
+                    help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
     ap.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
     ap.add_argument("--tbt-slo", type=float, default=SLO().tbt_s, help="seconds")
@@ -112,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         ap.error("--prefill and --decode must be at least 1")
+    if args.pipeline_groups < 0 or (args.pipeline_groups and (
+            args.pipeline_stages < 2 or args.pipeline_groups * args.pipeline_stages > args.prefill)):
+        ap.error("--pipeline-groups x --pipeline-stages (at least 2) must fit in --prefill")
+    if args.cpp_chunk_tokens < 1 or args.elastic_max_stages < 1:
+        ap.error("--cpp-chunk-tokens and --elastic-max-stages must be positive")
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
     if args.time_scale < 0 or args.length_scale <= 0:
@@ -127,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = {
         "config": {"trace": str(args.trace), "prefill": args.prefill, "decode": args.decode, "profile": args.profile,
+                   "pipeline_groups": args.pipeline_groups, "pipeline_stages": args.pipeline_stages,
+                   "cpp_chunk_tokens": args.cpp_chunk_tokens, "cpp_group_pulls": args.cpp_group_pulls,
                    "requests": results[0].requests, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo,
                    "early_rejection": not args.no_early_rejection,
                    "kvcache_balancing_threshold": args.threshold, "time_scale": args.time_scale,
@@ -137,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json == "-":
         print(json.dumps(report))
         return 0
-    print(f"{results[0].requests} requests, {args.prefill} prefill + {args.decode} decode instances, "
+    print(f"{results[0].requests} requests, {args.prefill} prefill ({shape_text(args)}) + {args.decode} decode, "
           f"profile {args.profile}, SLO TTFT {args.ttft_slo:g} s / TBT {args.tbt_slo * 1e3:g} ms"
           + (f", mean of {args.seeds} seeds" if args.seeds > 1 else ""))
     print(format_table(results))

@@ -228,7 +228,9 @@ class Profile:
     ``DecodeTimeModel.names``. ``kv_capacity_tokens`` is a decode instance's KV room,
     ``cache_blocks`` a prefill instance's own prefix cache (its share of the DRAM pool),
     ``max_model_len`` the model's context (0: unbounded; the simulator clips prompts to it
-    as ``tools/replay.py`` does).
+    as ``tools/replay.py`` does). ``num_layers`` and ``hidden_bytes_per_token`` (hidden size x
+    bytes per element) size a chunked pipeline group's stages and the hidden states sent between
+    them (``pipeline_cost``); 0 layers: stages take exact equal shares.
     """
 
     name: str
@@ -243,6 +245,8 @@ class Profile:
     cache_blocks: int
     notes: str = ""
     max_model_len: int = 0
+    num_layers: int = 0
+    hidden_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prefill_coef) != len(PrefillTimeModel.names):
@@ -251,8 +255,10 @@ class Profile:
             raise ValueError(f"profile {self.name}: decode_coef takes {DecodeTimeModel.names}")
         if min(self.local_bps, self.remote_bps, self.slow_bps) <= 0 or self.block_size < 1 or self.block_bytes < 1:
             raise ValueError(f"profile {self.name}: bandwidths, block_size and block_bytes must be positive")
-        if self.max_model_len < 0 or self.kv_capacity_tokens < 0 or self.cache_blocks < 0:
-            raise ValueError(f"profile {self.name}: max_model_len, kv_capacity_tokens and cache_blocks must be >= 0")
+        if min(self.max_model_len, self.kv_capacity_tokens, self.cache_blocks, self.num_layers,
+               self.hidden_bytes_per_token) < 0:
+            raise ValueError(f"profile {self.name}: max_model_len, kv_capacity_tokens, cache_blocks, num_layers and "
+                             "hidden_bytes_per_token must be >= 0")
 
     def prefill_s(self, uncached: int, prefix: int) -> float:
         return max(0.0, sum(c * f for c, f in zip(self.prefill_coef, PrefillTimeModel.features(uncached, prefix))))
@@ -302,7 +308,8 @@ def _a800_llama2_70b() -> Profile:
     Compute from FLOPs at a sustained 1.0 PFLOP/s (40% of 8 x 312 TFLOPs bf16): 1.38e11 FLOPs
     per token for the weights, 4*L*d = 2.6e6 FLOPs per (query, key) pair for attention.
     Decode from memory bandwidth: 138 GB of weights and 320 KiB of KV per context token over
-    ~9.8 TB/s effective. KV block of 512 tokens = 160 MiB. Network: 8x200 Gbps RDMA at ~100 GB/s
+    ~9.8 TB/s effective. KV block of 512 tokens = 160 MiB. 80 layers, hidden size 8192 in bf16
+    (16 KiB per token between pipeline stages). Network: 8x200 Gbps RDMA at ~100 GB/s
     achieved; local DRAM->HBM ~200 GB/s; NVMe tier ~8 GB/s. A node's ~1 TB of DRAM holds
     ~6000 blocks of prefix cache; a decode node's spare HBM ~1.4M tokens of KV.
     """
@@ -322,6 +329,8 @@ def _a800_llama2_70b() -> Profile:
         kv_capacity_tokens=1_400_000,
         cache_blocks=6000,
         notes="8x A800-80G per instance, LLaMA2-70B-like; modelled from FLOPs and bandwidth",
+        num_layers=80,
+        hidden_bytes_per_token=8192 * 2,
     )
 
 

@@ -13,8 +13,10 @@ One object per policy, chosen by name; the live conductor and the simulator call
   (a ratio of lengths), copying them to the chosen instance (hot-spot replication), with
   SLO-aware decode choice and prediction-based early rejection;
 - ``mooncaked`` (ours): as ``mooncake``, but it also counts prefixes still being computed
-  (queueing behind one can beat recomputing it), and each instance pulls exactly when
-  pulling is predicted faster than recomputing (no length-ratio heuristic to tune).
+  (queueing behind one can beat recomputing it), each instance pulls exactly when
+  pulling is predicted faster than recomputing (no length-ratio heuristic to tune), and a
+  chunked pipeline group (several machines as one unit) is used only when it earns its
+  machines (``pick_fewest_machines``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejec
 log = logging.getLogger(__name__)
 
 DEFAULT_BALANCING_THRESHOLD = 1.25
+# mooncaked takes a unit of more machines (a CPP group) only when it cuts the predicted TTFT by
+# this factor over the best unit of fewer (chosen on the first half of the bundled trace; 0.2-0.4
+# alike; docs/performance.md, "Beyond Algorithm 1")
+GROUP_MIN_GAIN = 0.3
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,8 @@ class Policy(ABC):
         est = self.choose_prefill(request, cluster, prefills)
         reach_s = cluster.now_s + est.ttft_s
         if self.early_rejection and self.enforce_slo:
-            unloaded = min(estimate(p, request, max(p.own_blocks, p.pool_blocks)).service_s for p in prefills)
+            unloaded = min(estimate(p, request, max(p.own_blocks, p.pool_blocks) if p.pulls else p.own_blocks).service_s
+                           for p in prefills)
             rejected = check_ttft(cluster.now_s - request.arrival_s + est.ttft_s, unloaded, self.slo)
             if rejected is not None:
                 return rejected
@@ -185,7 +192,7 @@ class MooncakePolicy(Policy):
         best_len = max(p.pool_blocks for p in prefills)
         choices = []
         for p in prefills:
-            pull = best_len > p.own_blocks and best_len > self.threshold * p.own_blocks
+            pull = p.pulls and best_len > p.own_blocks and best_len > self.threshold * p.own_blocks
             choices.append(estimate(p, request, best_len if pull else p.own_blocks))
         return min(choices, key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name))
 
@@ -205,28 +212,57 @@ class MooncakedPolicy(Policy):
       A length ratio cannot see the link: it refuses 20 more blocks on top of 100 held
       (1.2x) even when they save seconds of compute, and over a slow link or from a disk
       tier it pulls where recomputing is faster. There is no threshold to tune.
+    - **Groups for the prompts they speed up.** With CPP groups in the cluster, Algorithm 1
+      sends a prompt to a group whenever the group is predicted a little faster, and a
+      short or mostly cached prompt then holds S machines that the long prompt arriving
+      next needed; ``pick_fewest_machines`` keeps such prompts on single instances.
 
     Against ``mooncake`` on the bundled trace (16P+16D, seeds 0-3; docs/performance.md,
     "Beyond Algorithm 1"): mean TTFT x0.984 on the whole trace, x0.968 on its held-out second
     half, SLO attainment no worse; the gain is the in-flight prefixes (the pull rule ties on
-    fast links). Live, the router fills ``pending_blocks`` from its ledger of routed prefills (router.PendingBlocks).
+    fast links). With 2 CPP groups of 4 + 8 single machines (simulated): x0.952 whole, x0.943
+    held out. Live, the router fills ``pending_blocks`` from its ledger of routed prefills
+    (router.PendingBlocks), and ``pipeline_stages`` and the group's pipeline model per group.
     """
 
     name = "mooncaked"
     early_rejection = True
 
     def choose_prefill(self, request, cluster, prefills):
+        return pick_fewest_machines(self.estimates(request, prefills))
+
+    @staticmethod
+    def estimates(request: RequestView, prefills: list[InstanceView]) -> list[PrefillEstimate]:
+        """Each unit's best plan: its own and in-flight prefix, or the pool's when pulling is predicted faster."""
         best_len = max(p.pool_blocks for p in prefills)
         choices = []
         for p in prefills:
             local = max(p.own_blocks, p.pending_blocks)
             est = estimate(p, request, local, local)
-            if best_len > local:
+            if p.pulls and best_len > local:
                 pulled = estimate(p, request, best_len, local)
                 if pulled.service_s < est.service_s:
                     est = pulled
             choices.append(est)
-        return min(choices, key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name))
+        return choices
+
+
+def pick_fewest_machines(choices: list[PrefillEstimate], min_gain: float = GROUP_MIN_GAIN) -> PrefillEstimate:
+    """The least predicted TTFT, except that a unit of more machines (a CPP group) must earn them.
+
+    A group runs one prompt at a time on all its machines, so a prompt it barely speeds up
+    (one chunk: nothing; a cached prefix and a short tail: little) holds S machines for
+    what one would do, and the long prompt arriving next waits for the group or runs S
+    times slower on a single. A unit with more stages is taken only when its TTFT beats the
+    best with fewer by the factor ``1 + min_gain``; with all units single this is plain argmin.
+    """
+    best = min(choices, key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name))
+    for e in sorted(choices, key=lambda e: (e.instance.pipeline_stages, e.ttft_s, -e.local_blocks, e.instance.name)):
+        if e.instance.pipeline_stages >= best.instance.pipeline_stages:
+            break
+        if e.ttft_s <= best.ttft_s * (1 + min_gain):
+            return e
+    return best
 
 
 POLICIES: dict[str, type[Policy]] = {c.name: c for c in (RandomPolicy, RoundRobinPolicy, LoadBalancePolicy,

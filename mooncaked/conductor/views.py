@@ -51,7 +51,12 @@ class InstanceView:
     are in its cache by the time a request sent there now starts (its queue is first come,
     first served). 0 when the caller does not track them. Decode figures: ``batch`` (running
     and incoming sequences) and its KV capacity in blocks (0 total = unknown, unbounded).
-    ``model`` is this instance's own fitted step-time and transfer model.
+    ``model`` is this instance's own fitted step-time and transfer model. ``pipeline_stages``:
+    machines this prefill unit spans, 1 for an instance, S for a chunked pipeline group the
+    conductor treats as one unit (its ``model`` then predicts the whole pipeline, fill and
+    drain included: ``pipeline_cost.pipeline_instance_model``); ``pulls``: whether it can take
+    prefix blocks from another holder or the pool (a live CPP group cannot: its stages reuse
+    their own prefix caches only).
     """
 
     name: str
@@ -65,6 +70,8 @@ class InstanceView:
     queued_tokens: int = 0
     queued_s: float = 0.0
     pending_blocks: int = 0
+    pipeline_stages: int = 1
+    pulls: bool = True
     batch: tuple[SeqLoad, ...] = ()
     free_kv_blocks: int = 0
     total_kv_blocks: int = 0

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 from mooncaked.conductor.cost_model import Profile
 from mooncaked.conductor.early_rejection import SLO
+from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model
 from mooncaked.conductor.policies import Policy
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
 
+from .elastic import ElasticDecision
 from .instances import Job, Seq, SimDecode, SimPrefill
 from .metrics import Outcome, PolicyResult, summarize
+from .pipeline import SimPipelineGroup
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest, scale_trace
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,10 @@ class SimConfig:
     cache_blocks: int | None = None        # per prefill instance; None: the profile's
     kv_capacity_tokens: int | None = None  # per decode instance; None: the profile's
     length_scale: float = 1.0  # lengths x this, as tools/replay.py sends them
+    pipeline_groups: int = 0   # of the ``prefill`` machines, this many CPP groups of ``pipeline_stages`` each
+    pipeline_stages: int = 2
+    cpp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    cpp_group_pulls: bool = False  # live, a group reuses only its stages' own prefix caches
 
 
 class Simulation:
@@ -48,6 +55,9 @@ class Simulation:
             raise ValueError("need at least one prefill and one decode instance")
         if cfg.profile is None:
             raise ValueError("SimConfig.profile is required")
+        if cfg.pipeline_groups and (cfg.pipeline_stages < 2 or cfg.pipeline_groups * cfg.pipeline_stages > cfg.prefill):
+            raise ValueError(f"{cfg.pipeline_groups} groups of {cfg.pipeline_stages} stages need at least 2 stages "
+                             f"each and at most {cfg.prefill} prefill machines in all")
         if cfg.profile.block_size != TRACE_BLOCK_TOKENS or cfg.length_scale != 1.0 or cfg.profile.max_model_len:
             # what a live cluster with the profile's block size sees when tools/replay.py sends the trace
             ctx = cfg.profile.max_model_len
@@ -59,9 +69,8 @@ class Simulation:
         rng = random.Random(cfg.seed)  # the same cluster (speeds, jitter) for every policy
         h = cfg.heterogeneity
         self.index = PrefixIndex(max_entries=4_000_000)
-        self.prefills = [SimPrefill(f"prefill-{i}", prof, prof.instance_model(), self.index,
-                                    rng.uniform(1 - h, 1 + h), cfg.cache_blocks or prof.cache_blocks, cfg.noise,
-                                    random.Random(rng.random())) for i in range(cfg.prefill)]
+        machines = [(rng.uniform(1 - h, 1 + h), random.Random(rng.random())) for _ in range(cfg.prefill)]
+        self.prefills = self._prefill_units(machines)
         self.decodes = [SimDecode(f"decode-{i}", prof, prof.instance_model(), rng.uniform(1 - h, 1 + h),
                                   cfg.kv_capacity_tokens or prof.kv_capacity_tokens, cfg.slo.tbt_s, self._finished)
                         for i in range(cfg.decode)]
@@ -70,6 +79,25 @@ class Simulation:
         self.outcomes = [Outcome(r.arrival_s, r.input_length, r.output_length) for r in trace]
         self._by_index = {r.index: i for i, r in enumerate(trace)}
 
+    def _prefill_units(self, machines: list[tuple[float, random.Random]]) -> list[SimPrefill]:
+        """The first ``pipeline_groups x pipeline_stages`` machines form the groups, the rest stay single
+        (so the same seed gives the same machines in every shape)."""
+        cfg, prof = self.cfg, self.profile
+        cache = cfg.cache_blocks or prof.cache_blocks
+        s = cfg.pipeline_stages
+        units: list[SimPrefill] = []
+        if cfg.pipeline_groups:
+            shape = PipelineShape.for_profile(prof, s, cfg.cpp_chunk_tokens)
+            for g in range(cfg.pipeline_groups):
+                group = machines[g * s:(g + 1) * s]
+                units.append(SimPipelineGroup(f"group-{g}", prof, pipeline_instance_model(prof, shape), self.index,
+                                              [speed for speed, _ in group], shape, cache, cfg.noise, group[0][1]))
+        for i in range(cfg.pipeline_groups * s, cfg.prefill):
+            speed, rng = machines[i]
+            units.append(SimPrefill(f"prefill-{i}", prof, prof.instance_model(), self.index, speed, cache, cfg.noise,
+                                    rng))
+        return units
+
     # -- views --------------------------------------------------------------------------------
     def _cluster(self, now: float, req: TraceRequest) -> ClusterView:
         look = self.index.lookup(list(req.hash_ids))
@@ -77,7 +105,8 @@ class Simulation:
             InstanceView(p.name, "prefill", p.model, own_blocks=look.holders.get(p.name, 0),
                          own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
                          pool_slow_blocks=look.pool_slow, queued_tokens=p.backlog.waiting_tokens,
-                         queued_s=p.backlog.seconds(now), pending_blocks=p.pending_run(req.hash_ids))
+                         queued_s=p.backlog.seconds(now), pending_blocks=p.pending_run(req.hash_ids),
+                         pipeline_stages=p.stages, pulls=p.stages == 1 or self.cfg.cpp_group_pulls)
             for p in self.prefills)
         bs = self.profile.block_size
         decodes = []
@@ -99,35 +128,50 @@ class Simulation:
             if events and (i >= len(trace) or events[0][0] <= trace[i].arrival_s):
                 now, _, name = heapq.heappop(events)
                 nxt = self._prefill_done(self._p[name], now)
+                started = [(name, nxt)]
             else:
                 req = trace[i]
                 i += 1
                 now = req.arrival_s
-                name, nxt = self._arrive(req, now)
-            if nxt is not None:
-                seq += 1
-                heapq.heappush(events, (nxt, seq, name))
+                started = self._arrive(req, now)
+            for name, nxt in started:
+                if nxt is not None:
+                    seq += 1
+                    heapq.heappush(events, (nxt, seq, name))
         for d in self.decodes:
             d.advance(float("inf"))
         return summarize(self.policy.name, self.outcomes, self.cfg.slo, time.perf_counter() - t0)
 
-    def _arrive(self, req: TraceRequest, now: float) -> tuple[str, float | None]:
+    def _arrive(self, req: TraceRequest, now: float) -> list[tuple[str, float | None]]:
+        """Route one arrival; returns (prefill unit, finish time of the job it started or None) per unit."""
         view = RequestView(req.input_length, req.hash_ids, self.profile.block_size,
                            max(req.output_length, 1), req.arrival_s, str(req.index))
         decision = self.policy.decide(view, self._cluster(now, req))
         out = self.outcomes[self._by_index[req.index]]
         if not isinstance(decision, Decision):
             out.rejected = decision.reason
-            return "", None
+            return []
         out.prefill, out.decode = decision.prefill, decision.decode
         if req.output_length > 1:
             self._d[decision.decode].incoming[req.index] = SeqLoad(req.input_length + 1, req.output_length - 1,
                                                                    now + decision.predicted_ttft_s)
         p = self._p[decision.prefill]
-        return p.name, p.enqueue(Job(req, decision, now), now)
+        job = Job(req, decision, now)
+        helpers = [self._p[h] for h in decision.helpers] if isinstance(decision, ElasticDecision) else []
+        helpers = [h for h in helpers if h.idle] if p.idle else []  # the books may be behind: only idle ones
+        if helpers:
+            job.pipeline = PipelineShape.for_profile(self.profile, 1 + len(helpers), decision.chunk_tokens)
+            job.stage_speeds = tuple(h.speed for h in helpers)
+        done = p.enqueue(job, now)
+        started = [(p.name, done)]
+        for h in helpers:  # lent until the pipeline finishes
+            started.append((h.name, h.enqueue(Job(req, decision, now, hold_s=done - now), now)))
+        return started
 
     def _prefill_done(self, p: SimPrefill, now: float) -> float | None:
         job = p.complete(now)
+        if job.lent:
+            return p.start_next(now)
         req = job.req
         out = self.outcomes[self._by_index[req.index]]
         out.computed_tokens = job.computed_tokens

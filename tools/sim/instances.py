@@ -8,7 +8,8 @@ batching: every step emits one token per sequence and lasts the profile's step t
 the batch; a sequence joins at the next step boundary after its KV arrives, if its
 full-length KV fits.
 
-Measured step times feed each instance's own fitted model, as heartbeats will live.
+Measured step times feed each instance's own fitted model, as heartbeats will live. An
+instance may be lent to another's pipeline for one prompt (elastic CPP, ``elastic.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mooncaked.conductor.cost_model import InstanceModel, PrefillBacklog, Profile
+from mooncaked.conductor.pipeline_cost import PipelineShape, pipeline_prefill_s
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import Decision, SeqLoad
 
@@ -38,9 +40,19 @@ class Job:
     pulled_blocks: int = 0
     computed_tokens: int = 0
     compute_s: float = 0.0
+    # elastic CPP (tools/sim/elastic.py): pipelined over this instance and borrowed idle machines
+    pipeline: PipelineShape | None = None
+    stage_speeds: tuple[float, ...] = ()  # the borrowed machines' speeds, in stage order after this one
+    hold_s: float | None = None  # a machine lent to another instance's pipeline: busy this long, no prompt of its own
+
+    @property
+    def lent(self) -> bool:
+        return self.hold_s is not None
 
 
 class SimPrefill:
+    stages = 1  # machines in this prefill unit (a CPP group has more)
+
     def __init__(self, name: str, profile: Profile, model: InstanceModel, index: PrefixIndex, speed: float,
                  cache_blocks: int, noise: float, rng: random.Random) -> None:
         self.name = name
@@ -56,6 +68,10 @@ class SimPrefill:
         self.running: Job | None = None
         self.backlog = PrefillBacklog()
         self.pending: Counter[int] = Counter()  # blocks the queued and running jobs will have cached
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
 
     def pending_run(self, hashes: tuple[int, ...]) -> int:
         """Leading blocks of ``hashes`` that jobs already queued or running here are computing."""
@@ -78,8 +94,11 @@ class SimPrefill:
 
     def enqueue(self, job: Job, now: float) -> float | None:
         """Queue a job; returns its finish time when the instance was idle and started it."""
-        self.backlog.add(str(job.req.index), job.decision.predicted_prefill_s, job.req.input_length)
-        self.pending.update(job.req.hash_ids)
+        if job.lent:
+            self.backlog.add(str(job.req.index), job.hold_s, 0)
+        else:
+            self.backlog.add(str(job.req.index), job.decision.predicted_prefill_s, job.req.input_length)
+            self.pending.update(job.req.hash_ids)
         self.queue.append(job)
         return self.start_next(now) if self.running is None else None
 
@@ -88,6 +107,10 @@ class SimPrefill:
             return None
         job = self.running = self.queue.popleft()
         req, d = job.req, job.decision
+        job.started_s = now
+        self.backlog.start(str(req.index), now)
+        if job.lent:
+            return now + job.hold_s
         own = self.own_run(req.hash_ids)
         reuse = own
         if d.reuse_blocks > d.local_blocks:  # the decision pulls: what the pool still holds now
@@ -96,24 +119,39 @@ class SimPrefill:
         cached = max(0, min(reuse * bs, req.input_length - 1))
         job.reused_blocks, job.pulled_blocks = reuse, reuse - own
         job.computed_tokens = req.input_length - cached
-        transfer = self.profile.block_bytes * (own / self.profile.local_bps + (reuse - own) / self.profile.remote_bps)
+        transfer = self.load_s(own, reuse - own)
         jitter = math.exp(self.rng.gauss(0.0, self.noise)) if self.noise else 1.0
-        job.compute_s = self.profile.prefill_s(job.computed_tokens, cached) / self.speed * jitter
-        job.started_s = now
-        self.backlog.start(str(req.index), now)
+        if job.pipeline is None:
+            job.compute_s = self.compute_s(job.computed_tokens, cached) * jitter
+        else:  # every stage loads its layers' share at once; the chunks go through the pipeline
+            transfer *= max(job.pipeline.stage_fractions)
+            job.compute_s = jitter * pipeline_prefill_s(self.profile.prefill_s, job.computed_tokens, cached,
+                                                        job.pipeline, (self.speed, *job.stage_speeds))
         return now + transfer + job.compute_s
+
+    def load_s(self, local_blocks: int, pulled_blocks: int) -> float:
+        """Bringing reused blocks in: its own over the local link, pulled ones over the network."""
+        prof = self.profile
+        return prof.block_bytes * (local_blocks / prof.local_bps + pulled_blocks / prof.remote_bps)
+
+    def compute_s(self, tokens: int, prefix: int) -> float:
+        """The prefill of ``tokens`` after ``prefix`` cached ones, before jitter."""
+        return self.profile.prefill_s(tokens, prefix) / self.speed
 
     def complete(self, now: float) -> Job:
         job = self.running
         assert job is not None, "completion without a running job"
         self.running = None
         self.backlog.finish(str(job.req.index))
+        if job.lent:
+            return job
         self.pending.subtract(job.req.hash_ids)
         for h in job.req.hash_ids:
             if self.pending[h] <= 0:
                 del self.pending[h]
         cached = job.req.input_length - job.computed_tokens
-        self.model.prefill.observe(job.computed_tokens, cached, job.compute_s)
+        if job.pipeline is None:  # a pipelined time is not this machine's step time
+            self.model.prefill.observe(job.computed_tokens, cached, job.compute_s)
         hashes = job.req.hash_ids
         if job.pulled_blocks and not job.decision.replicate:  # use the pulled blocks, do not keep them
             self._cache(hashes[:job.reused_blocks - job.pulled_blocks], hashes[job.reused_blocks:])
