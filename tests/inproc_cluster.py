@@ -195,7 +195,7 @@ class Cluster:
             worker = await self.worker(f"{name}-s{k}", "prefill", pipeline_stage=(k, stages),
                                        max_num_batched_tokens=chunk_tokens)
             links.append(self.join(f"{name}-s{k}", "prefill", Counted(worker),
-                                   pipeline=PipelineMember(name, k, stages)))
+                                   pipeline=PipelineMember(name, k, stages, chunk_tokens)))
         return links
 
     async def beat(self) -> None:

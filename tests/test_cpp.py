@@ -174,3 +174,29 @@ async def test_a_client_that_leaves_mid_pipeline_stops_every_stage_before_the_de
         assert stages[0].calls["abort"] == 1
     finally:
         await cluster.close()
+
+
+async def test_the_conductor_sees_a_group_as_one_unit_with_a_pipeline_time_model(models):
+    """Only the head is offered (and only while every stage serves); its view spans S machines, pulls
+    nothing, and predicts with the pipeline model that the group's measured times calibrate."""
+    from mooncaked.conductor.pipeline_cost import PipelinePrefillModel
+    from mooncaked.conductor.router import cluster_view
+
+    cluster = Cluster(models["llama"])
+    try:
+        await cluster.group("g", 2, CHUNK)
+        await cluster.serve("d1", "decode")
+        c = cluster.conductor
+        await _tokens(cluster, random_prompts([30], seed=9)[0], 2)  # through the group: its measured time
+        model = c.scheduler.model("g-s0").prefill
+        assert isinstance(model, PipelinePrefillModel) and model.shape.chunk_tokens == CHUNK
+        assert len(model) == 1
+        await cluster.serve("p1", "prefill")
+        by_name = {v.name: v for v in cluster_view(c.registry, c.index, [], c.scheduler).prefills}
+        assert sorted(by_name) == ["g-s0", "p1"]
+        assert (by_name["g-s0"].pipeline_stages, by_name["g-s0"].pulls) == (2, False)
+        assert (by_name["p1"].pipeline_stages, by_name["p1"].pulls) == (1, True)
+        c.registry.mark_dead("g-s1", "test")  # a group missing a stage gets no work
+        assert [v.name for v in cluster_view(c.registry, c.index, [], c.scheduler).prefills] == ["p1"]
+    finally:
+        await cluster.close()

@@ -59,6 +59,7 @@ class PipelineMember:
     group: str
     stage: int
     stages: int
+    chunk_tokens: int = 0  # the stages' --cpp-chunk-tokens (0: not said), for the group's time model
 
 
 @dataclass

@@ -23,7 +23,8 @@ from mooncaked.conductor.engine_link import DEAD, POOL, PrefillPlan
 from mooncaked.conductor.errors import NoInstance, Rejected
 from mooncaked.conductor.policies import CacheAwareLocalPolicy, Policy
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
-from mooncaked.conductor.registry import Instance, Registry
+from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model
+from mooncaked.conductor.registry import Instance, PipelineMember, Registry
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
 
 log = logging.getLogger(__name__)
@@ -149,10 +150,17 @@ class SchedulerState:
     seqs: dict[str, _Seq] = field(default_factory=dict)
     pending: dict[str, PendingBlocks] = field(default_factory=dict)
 
-    def model(self, name: str) -> InstanceModel:
+    def model(self, name: str, pipeline: PipelineMember | None = None) -> InstanceModel:
+        """An instance's fitted time model; a CPP group's head gets one of the whole pipeline (fill and
+        drain included), calibrated by the group's measured prefill times."""
         m = self.models.get(name)
         if m is None:
-            m = self.models[name] = self.profile.instance_model()
+            if pipeline is not None and pipeline.stages > 1:
+                shape = PipelineShape.for_profile(self.profile, pipeline.stages,
+                                                  pipeline.chunk_tokens or DEFAULT_CHUNK_TOKENS)
+                m = self.models[name] = pipeline_instance_model(self.profile, shape)
+            else:
+                m = self.models[name] = self.profile.instance_model()
         return m
 
     def backlog(self, name: str) -> PrefillBacklog:
@@ -250,7 +258,7 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
     for p in registry.available("prefill"):
         if p.name in exclude:
             continue
-        model = state.model(p.name)
+        model = state.model(p.name, p.pipeline)
         backlog = state.backlog(p.name)
         reported = p.load.queued_prefill_tokens + (p.inflight * p.layout.block_size if stateless else 0)
         from_heartbeat = model.prefill.predict(reported, 0) if reported else 0.0
@@ -259,7 +267,8 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
             own_slow_blocks=look.holder_slow.get(p.name, 0), pool_blocks=look.pool_blocks,
             pool_slow_blocks=look.pool_slow, queued_tokens=max(reported, backlog.waiting_tokens),
             queued_s=max(from_heartbeat, backlog.seconds(now)),
-            pending_blocks=state.pending_run(p.name, hashes)))
+            pending_blocks=state.pending_run(p.name, hashes),
+            pipeline_stages=p.pipeline.stages if p.pipeline is not None else 1, pulls=p.pipeline is None))
     by_decode: dict[str, list[_Seq]] = {}
     for s in state.seqs.values():
         by_decode.setdefault(s.decode, []).append(s)

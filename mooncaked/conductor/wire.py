@@ -67,11 +67,11 @@ def registration_from_proto(r: conductor_pb2.RegisterRequest) -> Registration:
 
 
 def pipeline_from_proto(p: conductor_pb2.PipelineMember) -> PipelineMember:
-    return PipelineMember(p.group, p.stage, p.stages)
+    return PipelineMember(p.group, p.stage, p.stages, p.chunk_tokens)
 
 
 def pipeline_to_proto(m: PipelineMember) -> conductor_pb2.PipelineMember:
-    return conductor_pb2.PipelineMember(group=m.group, stage=m.stage, stages=m.stages)
+    return conductor_pb2.PipelineMember(group=m.group, stage=m.stage, stages=m.stages, chunk_tokens=m.chunk_tokens)
 
 
 def heartbeat_from_proto(r: conductor_pb2.HeartbeatRequest) -> Heartbeat:

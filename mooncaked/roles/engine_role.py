@@ -77,7 +77,8 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         await transfer.close()
         raise
     stage = getattr(cfg, "pipeline_stage", None)
-    member = conductor_pb2.PipelineMember(group=cfg.pipeline_group, stage=stage[0], stages=stage[1]) if stage else None
+    member = conductor_pb2.PipelineMember(group=cfg.pipeline_group, stage=stage[0], stages=stage[1],
+                                          chunk_tokens=cfg.cpp_chunk_tokens) if stage else None
     if store is not None and stage is None:
         # nobody routes here before we register; a CPP stage's blocks hold only its layers, so it keeps
         # them in its own cache (the pool's objects are whole blocks of every layer)

@@ -190,14 +190,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ...) -> None: ...
 
 class PipelineMember(_message.Message):
-    __slots__ = ("group", "stage", "stages")
+    __slots__ = ("group", "stage", "stages", "chunk_tokens")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     group: str
     stage: int
     stages: int
-    def __init__(self, group: _Optional[str] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ...) -> None: ...
+    chunk_tokens: int
+    def __init__(self, group: _Optional[str] = ..., stage: _Optional[int] = ..., stages: _Optional[int] = ..., chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
