@@ -102,3 +102,64 @@ def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_facto
     finally:
         c.stop()
         ref.close()
+
+
+async def test_a_group_reuses_another_groups_prefix_from_the_pool_stage_by_stage(tiny_model_factory, tmp_path):
+    """Each stage writes its layers of a prompt's blocks to the pool under keys of its own layers; a
+    stage of another group holding the same layers reads them, so that group computes only the tail."""
+    import asyncio
+
+    from mooncaked.proto.mooncake.v1 import engine_pb2, engine_pb2_grpc, store_pb2, store_pb2_grpc
+
+    _, folder = tiny_model_factory("llama")
+    c = Cluster(folder, tmp_path, extra_env={"MOONCAKED_STORE_DRAM_BYTES": "4MiB"})
+    try:
+        c.start("conductor", "conductor")
+        store_port = c.start("store", "store")
+        c.extra_env["MOONCAKED_STORE"] = f"127.0.0.1:{store_port}"
+        c.start("d1", "decode")
+        for g in ("a", "b"):
+            for k in range(2):
+                c.start(f"{g}-s{k}", "prefill", "--pipeline-group", g, "--pipeline-stage", f"{k}/2",
+                        "--cpp-chunk-tokens", "8")
+        c.wait_serving(["d1", "a-s0", "a-s1", "b-s0", "b-s1"])
+        base, tail = random_prompts([64], seed=72)[0], random_prompts([9], seed=73)[0]
+        ref = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=8 << 20)
+        async with grpc.aio.insecure_channel(c.conductor) as ch:
+            stub = conductor_pb2_grpc.ConductorStub(ch)
+
+            async def generate(prompt):
+                req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
+                                                    sampling=common_pb2.SamplingParams(max_tokens=6, ignore_eos=True))
+                return [x async for x in stub.Generate(req, timeout=60)]
+
+            await stub.SetDrain(conductor_pb2.SetDrainRequest(name="b-s0", drain=True), timeout=5)
+            first = await generate(base + [3, 4])
+            assert first[0].prefill_instance == "a-s0"
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{store_port}") as sch:
+                store = store_pb2_grpc.StoreMasterStub(sch)
+                for _ in range(100):  # the write-back is asynchronous
+                    stats = await store.PoolStats(store_pb2.PoolStatsRequest(), timeout=5)
+                    if stats.objects >= 32:
+                        break
+                    await asyncio.sleep(0.1)
+                assert stats.objects == 32  # 16 full blocks, once per stage (each its own layers)
+            await stub.SetDrain(conductor_pb2.SetDrainRequest(name="b-s0", drain=False), timeout=5)
+            await stub.SetDrain(conductor_pb2.SetDrainRequest(name="a-s0", drain=True), timeout=5)
+            computed = {}
+            for name in ("b-s0", "b-s1"):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{c.ports[name]}") as pch:
+                    computed[name] = (await engine_pb2_grpc.EngineStub(pch).Stats(engine_pb2.StatsRequest(),
+                                                                                  timeout=5)).load
+            second = await generate(base + tail)
+            for name in ("b-s0", "b-s1"):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{c.ports[name]}") as pch:
+                    after = (await engine_pb2_grpc.EngineStub(pch).Stats(engine_pb2.StatsRequest(), timeout=5)).load
+                assert after.prefill_tokens_computed - computed[name].prefill_tokens_computed == len(tail), name
+        assert second[0].prefill_instance == "b-s0"
+        assert second[0].num_cached_tokens == 64  # 16 blocks of 4, every stage from the pool
+        want = ref.generate(base + tail, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+        assert [t for x in second for t in x.token_ids] == want
+        ref.close()
+    finally:
+        c.stop()

@@ -65,7 +65,9 @@ class StageJob:
     push: KVPush
     fence: WriteFence
     slot: int
-    local: list[int]  # own cached run, referenced until the group's start is agreed
+    local: list[int]  # own cached run (or the pool's longer one), held until the group's start is agreed
+    from_pool: int = 0  # of ``local``, blocks read from the pool (not written back again)
+    kept: int = 0  # leading blocks the group started after
     next_link: EngineLink | None = None
     next_opened: StageOpened | None = None
     start_tokens: int | None = None  # where the group computes from (agreed)
@@ -248,6 +250,11 @@ class Pipeline:
                     raise EngineError(PRECONDITION, f"the next stage's hidden states are {job.next_opened.row_bytes} "
                                                     f"bytes a token, here {self.row_bytes}")
             job.local = await self.engine.call(self._take_run, prompt)
+            if w.pool is not None:  # the pool's run of this stage's layers, when longer than the own cache's
+                pooled = await w.pool.fetch_prefix(prompt)
+                if pooled:
+                    await self.engine.call(self.engine.unreserve, job.local)
+                    job.local, job.from_pool = pooled, len(pooled)
         except BaseException:
             await self._end(job)
             raise
@@ -263,6 +270,7 @@ class Pipeline:
         """The group starts at token ``start``: keep that much of the own run and add the request."""
         bs = self.worker.layout.block_size
         keep = start // bs
+        job.kept = keep
         job.start_tokens = start
         extra, job.local = job.local[keep:], job.local[:keep]
         if extra:
@@ -309,6 +317,8 @@ class Pipeline:
         if job.sends is not None:
             await self._call_next(job, asyncio.shield(job.sends))
         self._account(job)
+        if self.worker.pool is not None:  # this stage's layers of the new full blocks, while still held
+            self.worker.pool.write_back(job.prompt, job.push.block_table, min(job.from_pool, job.kept))
         if self.stage.is_last:
             job.completed = True
             return self._last_result(job, out)

@@ -14,6 +14,7 @@ import asyncio
 import logging
 
 from mooncaked.engine import Engine
+from mooncaked.engine.stage import PipelineStage
 from mooncaked.hashing import block_hashes
 from mooncaked.store import StoreError
 from mooncaked.tasks import spawn
@@ -21,6 +22,15 @@ from mooncaked.tasks import spawn
 log = logging.getLogger(__name__)
 
 MAX_WRITEBACKS = 4  # concurrent background puts
+
+
+def stage_pool_id(model_id: str, stage: PipelineStage) -> str:
+    """The pool's key space of an engine's blocks: the model's, or for a CPP stage the model's layers
+    it holds (``model@layers0-14``), so whole blocks and a stage's blocks never mix; the conductor's
+    pool watch follows only the model's own keys."""
+    if stage.count == 1:
+        return model_id
+    return f"{model_id}@layers{stage.first_layer}-{stage.end_layer - 1}"
 
 
 class PoolCache:

@@ -23,7 +23,7 @@ from mooncaked.engine.loader import resolve_model_dir
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_grpc
 from mooncaked.convert import layout_to_proto
 from mooncaked.instance.kv_push import KV_REGION
-from mooncaked.instance.pool_cache import PoolCache
+from mooncaked.instance.pool_cache import PoolCache, stage_pool_id
 from mooncaked.roles.membership import Memberships
 from mooncaked.rpc import RoleServer, sd_notify
 from mooncaked.security import Security
@@ -79,10 +79,10 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     stage = getattr(cfg, "pipeline_stage", None)
     member = conductor_pb2.PipelineMember(group=cfg.pipeline_group, stage=stage[0], stages=stage[1],
                                           chunk_tokens=cfg.cpp_chunk_tokens) if stage else None
-    if store is not None and stage is None:
-        # nobody routes here before we register; a CPP stage's blocks hold only its layers, so it keeps
-        # them in its own cache (the pool's objects are whole blocks of every layer)
-        worker.pool = PoolCache(store, engine, service.model_id)
+    if store is not None:
+        # nobody routes here before we register; a CPP stage's blocks hold only its layers: they go to the
+        # pool under keys of their own, which only stages of the same layers read
+        worker.pool = PoolCache(store, engine, stage_pool_id(service.model_id, engine.stage))
     medium = _MEDIUM.get(engine.runner.device.type, "hbm")
 
     def register() -> conductor_pb2.RegisterRequest:
