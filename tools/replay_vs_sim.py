@@ -241,11 +241,11 @@ def simulate_slice(profile: Path, s: Slice, policies: list[str], prefills: int =
                    seed: int = 0) -> dict[str, dict[str, Any]]:
     """``tools/simulate.py --profile PROFILE --no-early-rejection --heterogeneity 0`` on the slice: {policy:
     its JSON figures}. The live instances run one model on one machine: no speed heterogeneity."""
-    args = argparse.Namespace(trace=s.trace, max_requests=s.max_requests, time_scale=s.time_scale,
-                              length_scale=s.length_scale, prefill=prefills, decode=decodes, profile=str(profile),
-                              policy=policies, ttft_slo=30.0, tbt_slo=0.1, no_early_rejection=True,
-                              threshold=simulate_tool.DEFAULT_BALANCING_THRESHOLD, cache_blocks=None,
-                              kv_capacity_tokens=None, noise=0.05, heterogeneity=0.0, seed=seed, seeds=1)
+    args = simulate_tool.parser().parse_args([])  # every flag at its default, then this slice's
+    vars(args).update(trace=s.trace, max_requests=s.max_requests, time_scale=s.time_scale,
+                      length_scale=s.length_scale, prefill=prefills, decode=decodes, profile=str(profile),
+                      policy=policies, ttft_slo=30.0, tbt_slo=0.1, no_early_rejection=True, noise=0.05,
+                      heterogeneity=0.0, seed=seed, seeds=1)
     return {r.policy: r.as_json() for r in simulate_tool.run(args)}
 
 

@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The tool's flags (also what tools/replay_vs_sim.py fills for its slices, defaults and all)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
     ap.add_argument("--prefill", type=int, default=16, help="prefill instances")
@@ -142,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"the first {QUICK_REQUESTS} requests only (< 1 min)")
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT ('-': stdout, no table)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.prefill < 1 or args.decode < 1:
         ap.error("--prefill and --decode must be at least 1")
