@@ -21,6 +21,29 @@ from mooncaked.roles.all_role import child_configs
 pytestmark = pytest.mark.timeout(300)
 
 
+def _start_all(folder, tmp_path, *flags: str):
+    """`mooncaked --role all` on a tiny model with these flags: (process, its log file, the log's path, the
+    conductor's address)."""
+    conductor = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
+    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3",
+               MOONCAKED_STORE_DRAM_BYTES="4MiB")
+    log_path = tmp_path / "all.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
+                             "--listen", conductor, "--http", "127.0.0.1:0", *flags], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, log, log_path, conductor
+
+
+def _wait_ready(proc, log_path) -> None:
+    deadline = time.monotonic() + 240
+    while not re.search(r"mooncaked all: cluster ready", log_path.read_text()):
+        assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.1)
+
+
 def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
     cfg = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path))
     children = child_configs(cfg)
@@ -34,21 +57,9 @@ def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
 
 def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
-    conductor = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
-    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3",
-               MOONCAKED_STORE_DRAM_BYTES="4MiB")
-    log_path = tmp_path / "all.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
-                             "--listen", conductor, "--http", "127.0.0.1:0", "--prefill-instances", "2",
-                             "--decode-instances", "2"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, log, log_path, conductor = _start_all(folder, tmp_path, "--prefill-instances", "2", "--decode-instances", "2")
     try:
-        deadline = time.monotonic() + 240
-        while not re.search(r"mooncaked all: cluster ready", log_path.read_text()):
-            assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
+        _wait_ready(proc, log_path)
         with grpc.insecure_channel(conductor) as ch:
             stub = conductor_pb2_grpc.ConductorStub(ch)
             st = stub.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=10)
@@ -87,21 +98,9 @@ def test_one_machine_serves_through_a_pipeline_group(tiny_model_factory, tmp_pat
     from mooncaked.engine import Engine, SamplingParams
 
     _, folder = tiny_model_factory("llama")
-    conductor = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
-    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3",
-               MOONCAKED_STORE_DRAM_BYTES="4MiB")
-    log_path = tmp_path / "all.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
-                             "--listen", conductor, "--http", "127.0.0.1:0", "--pipeline-stages", "2",
-                             "--cpp-chunk-tokens", "8"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, log, log_path, conductor = _start_all(folder, tmp_path, "--pipeline-stages", "2", "--cpp-chunk-tokens", "8")
     try:
-        deadline = time.monotonic() + 240
-        while not re.search(r"mooncaked all: cluster ready", log_path.read_text()):
-            assert proc.poll() is None, f"exited with {proc.returncode}: {log_path.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
+        _wait_ready(proc, log_path)
         prompt = list(range(10, 50))  # five chunks
         with grpc.insecure_channel(conductor) as ch:
             stub = conductor_pb2_grpc.ConductorStub(ch)

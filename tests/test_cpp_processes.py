@@ -31,6 +31,14 @@ def _generate(conductor: str, prompt: list[int], n: int) -> tuple[list[int], str
     return [t for c in chunks for t in c.token_ids], chunks[0].prefill_instance
 
 
+def _start_groups(c: Cluster, chunk_tokens: int) -> None:
+    """Groups a and b, two stage processes each (a-s0, a-s1, b-s0, b-s1)."""
+    for g in ("a", "b"):
+        for k in range(2):
+            c.start(f"{g}-s{k}", "prefill", "--pipeline-group", g, "--pipeline-stage", f"{k}/2",
+                    "--cpp-chunk-tokens", str(chunk_tokens))
+
+
 def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_factory, tmp_path):
     _, folder = tiny_model_factory("llama")
     ref = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=8 << 20)
@@ -39,10 +47,7 @@ def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_facto
         c.start("conductor", "conductor")
         c.start("d1", "decode")
         # one token per chunk: a 400-token prompt is 400 hand-offs per stage, long enough to kill a stage in
-        for g in ("a", "b"):
-            for k in range(2):
-                c.start(f"{g}-s{k}", "prefill", "--pipeline-group", g, "--pipeline-stage", f"{k}/2",
-                        "--cpp-chunk-tokens", "1")
+        _start_groups(c, chunk_tokens=1)
         c.wait_serving(["d1", "a-s0", "a-s1", "b-s0", "b-s1"])
         out = subprocess.run([sys.executable, "-m", "mooncaked.ctl", "--conductor", c.conductor, "status", "--json"],
                              capture_output=True, text=True, timeout=30)
@@ -118,10 +123,7 @@ async def test_a_group_reuses_another_groups_prefix_from_the_pool_stage_by_stage
         store_port = c.start("store", "store")
         c.extra_env["MOONCAKED_STORE"] = f"127.0.0.1:{store_port}"
         c.start("d1", "decode")
-        for g in ("a", "b"):
-            for k in range(2):
-                c.start(f"{g}-s{k}", "prefill", "--pipeline-group", g, "--pipeline-stage", f"{k}/2",
-                        "--cpp-chunk-tokens", "8")
+        _start_groups(c, chunk_tokens=8)
         c.wait_serving(["d1", "a-s0", "a-s1", "b-s0", "b-s1"])
         base, tail = random_prompts([64], seed=72)[0], random_prompts([9], seed=73)[0]
         ref = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=8 << 20)

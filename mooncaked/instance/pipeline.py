@@ -34,6 +34,7 @@ from mooncaked.engine import Output, RequestError, SamplingParams
 from mooncaked.engine.llm_engine import PREFILLED, EngineStoppedError
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
+from mooncaked.instance.prefill import first_token_result
 from mooncaked.instance.write_fence import WriteFence
 from mooncaked.tasks import spawn
 from mooncaked.transfer import TransferError, TransferOp
@@ -79,7 +80,6 @@ class StageJob:
     last_input: float = field(default_factory=time.monotonic)
     opened_at: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0
-    sent_bytes: int = 0
     keeper: asyncio.Task | None = None
     completed: bool = False  # this stage and every later one answered
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -227,7 +227,7 @@ class Pipeline:
         if not self.free_slots:
             raise EngineError(EXHAUSTED, f"stage {self.stage} of {w.name}: every hidden-state slot is in use")
         loop = self._loop
-        fence = self._fence(rid, target)
+        fence = w.fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
                       len(prompt), fence=fence, layer_offset=self.stage.first_layer)
         job = StageJob(rid, prompt, opening.sampling, target, push, fence, self.free_slots.pop(), [],
@@ -321,7 +321,7 @@ class Pipeline:
             self.worker.pool.write_back(job.prompt, job.push.block_table, min(job.from_pool, job.kept))
         if self.stage.is_last:
             job.completed = True
-            return self._last_result(job, out)
+            return first_token_result(out, job.prompt, job.params, job.push)
         assert job.next_link is not None
         later = await self._call_next(job, job.next_link.stage_finish(job.rid, STAGE_TIMEOUT_S))
         job.completed = True
@@ -334,16 +334,6 @@ class Pipeline:
             later.computed_tokens = len(job.prompt) - later.cached_tokens
             later.local_blocks = later.cached_tokens // bs
         return later
-
-    def _last_result(self, job: StageJob, out: Output) -> PrefillResult:
-        params = job.params
-        finished = out.finish_reason == "stop" or params.max_tokens == 1
-        return PrefillResult(
-            first_token_id=out.token_ids[0], first_logprob=(out.logprobs or [0.0])[0],
-            first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
-            cached_tokens=out.num_cached_tokens, computed_tokens=len(job.prompt) - out.num_cached_tokens,
-            finished=finished, finish_reason=(out.finish_reason or "") if finished else "", compute_s=out.compute_s,
-            push_bytes=job.push.bytes_sent, push_s=job.push.seconds)
 
     def _account(self, job: StageJob) -> None:
         wall = time.monotonic() - job.opened_at
@@ -379,7 +369,6 @@ class Pipeline:
                         opened.inbox.region, opened.inbox_offset + start * rb, (end - start) * rb)
         try:
             await self.worker.transfer.submit([op])
-            job.sent_bytes += op.length
             metrics.HIDDEN_BYTES.labels(*self.labels).inc(op.length)
             await link.stage_input(job.rid, job.start_tokens, end, CALL_TIMEOUT_S)
         except (EngineError, TransferError) as e:
@@ -447,10 +436,6 @@ class Pipeline:
         except EngineError as e:
             log.info("could not abort %s on the next stage (%s); it gives the request up itself", job.rid, e)
 
-    def _fence(self, rid: str, target: Reservation) -> WriteFence:
-        peers = self.worker.peers
-        link = peers(target.engine_address) if peers is not None and target.engine_address else None
-        return WriteFence(link, rid, target.ttl_s)
 
     def _endpoint(self) -> TransferEndpoint:
         ep = self.worker.endpoint()

@@ -23,7 +23,6 @@ from mooncaked.engine.llm_engine import EngineStoppedError, StepSeq
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.prefix_fetch import Prepared, PrefixFetch
-from mooncaked.instance.write_fence import WriteFence
 from mooncaked.tasks import spawn
 from mooncaked.transfer import TransferError
 
@@ -74,7 +73,7 @@ class Prefiller:
         w.check("prefill")
         self._check(rid, prompt, params, target)
         loop = asyncio.get_running_loop()
-        fence = self._fence(rid, target)
+        fence = self.worker.fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
                       len(prompt), self.layerwise, fence=fence)
         first: asyncio.Future[Output] = loop.create_future()
@@ -149,11 +148,6 @@ class Prefiller:
                 self.ended.pop(rid, None)
                 ended.set()
 
-    def _fence(self, rid: str, target: Reservation) -> WriteFence:
-        """The write fence on ``target``, renewed through the decode's Engine (none without its address)."""
-        peers = self.worker.peers
-        link = peers(target.engine_address) if peers is not None and target.engine_address else None
-        return WriteFence(link, rid, target.ttl_s)
 
     def _write_back(self, prompt: list[int], block_table: list[int], prepared: Prepared,
                     plan: PrefillPlan | None) -> bool:
@@ -174,13 +168,19 @@ class Prefiller:
         local = cached_blocks - prepared.pulled_blocks
         if local:
             metrics.PLAN_BLOCKS.labels("local").inc(local)
-        # the request ends here only if the first token ends it for the *real* limits
-        finished = out.finish_reason == "stop" or params.max_tokens == 1
-        return PrefillResult(
-            first_token_id=out.token_ids[0], first_logprob=(out.logprobs or [0.0])[0],
-            first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
-            cached_tokens=out.num_cached_tokens, computed_tokens=len(prompt) - out.num_cached_tokens,
-            finished=finished, finish_reason=(out.finish_reason or "") if finished else "", compute_s=out.compute_s,
-            push_bytes=push.bytes_sent, push_s=push.seconds, local_blocks=local,
-            pulled_blocks=prepared.pulled_blocks, pulled_from=prepared.pulled_from, replicated=replicated,
-            deviations=dict(prepared.deviations))
+        return first_token_result(out, prompt, params, push, local_blocks=local,
+                                  pulled_blocks=prepared.pulled_blocks, pulled_from=prepared.pulled_from,
+                                  replicated=replicated, deviations=dict(prepared.deviations))
+
+
+def first_token_result(out: Output, prompt: list[int], params: SamplingParams, push: KVPush,
+                       **plan_figures) -> PrefillResult:
+    """The answer of the instance that sampled the first token (a prefill, or a CPP group's last stage)."""
+    # the request ends here only if the first token ends it for the *real* limits
+    finished = out.finish_reason == "stop" or params.max_tokens == 1
+    return PrefillResult(
+        first_token_id=out.token_ids[0], first_logprob=(out.logprobs or [0.0])[0],
+        first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+        cached_tokens=out.num_cached_tokens, computed_tokens=len(prompt) - out.num_cached_tokens,
+        finished=finished, finish_reason=(out.finish_reason or "") if finished else "", compute_s=out.compute_s,
+        push_bytes=push.bytes_sent, push_s=push.seconds, **plan_figures)

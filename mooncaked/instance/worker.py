@@ -27,6 +27,7 @@ from mooncaked.instance.lending import Lender
 from mooncaked.instance.pipeline import Pipeline
 from mooncaked.instance.pool_cache import PoolCache
 from mooncaked.instance.prefill import Prefiller
+from mooncaked.instance.write_fence import WriteFence
 from mooncaked.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,11 @@ class Worker:
         return TransferEndpoint(address=self.transfer.address or "", backend=self.transfer.backend,
                                 region=KV_REGION, same_host_id=info.host_id,
                                 shm_name=(region.shm_name or "") if region else "")
+
+    def fence(self, request_id: str, target: Reservation) -> WriteFence:
+        """The write fence on ``target``, renewed through the decode's Engine (none without its address)."""
+        link = self.peers(target.engine_address) if self.peers is not None and target.engine_address else None
+        return WriteFence(link, request_id, target.ttl_s)
 
     def was_aborted(self, request_id: str) -> bool:
         return request_id in self.aborted
