@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mooncaked.engine import EngineStats, SamplingParams
+from mooncaked.engine import SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.proto.mooncake.v1 import common_pb2
@@ -49,23 +49,6 @@ def top_to_proto(top: TopLogprobs) -> common_pb2.TopLogprobs:
 
 def top_from_proto(p: common_pb2.TopLogprobs) -> TopLogprobs:
     return TopLogprobs(list(p.token_ids), list(p.logprobs))
-
-
-def load_to_proto(s: EngineStats, queued_prefill_tokens: int = 0) -> common_pb2.InstanceLoad:
-    return common_pb2.InstanceLoad(
-        queued_prefill_tokens=queued_prefill_tokens,
-        running_requests=s.num_running,
-        waiting_requests=s.num_waiting,
-        free_kv_blocks=s.num_free_blocks,
-        total_kv_blocks=s.num_blocks,
-        prefix_hit_blocks=s.prefix_hit_blocks,
-        prefix_query_blocks=s.prefix_query_blocks,
-        prefill_tokens_computed=s.prefill_tokens_computed,
-        prompt_tokens_cached=s.prompt_tokens_cached,
-        decode_tokens=s.decode_tokens,
-        cached_kv_blocks=s.num_cached_blocks,
-        preemptions=s.num_preemptions,
-    )
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.KVLayout:

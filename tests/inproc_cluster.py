@@ -10,12 +10,14 @@ import asyncio
 from collections import Counter
 
 from mooncaked.conductor.core import Conductor
-from mooncaked.conductor.engine_link import UNAVAILABLE, EngineError, EngineLink, PrefillPlan, PrefillResult
-from mooncaked.conductor.membership import REMOVED, STORED, Heartbeat, KVEvent, Registration
+from mooncaked.conductor.engine_link import (UNAVAILABLE, EngineError, EngineLink, Heartbeat, InstanceLoad, PrefillPlan,
+                                             PrefillResult)
+from mooncaked.conductor.membership import Registration
 from mooncaked.conductor.policies import make_policy
-from mooncaked.conductor.registry import InstanceLoad, PipelineMember
+from mooncaked.conductor.registry import PipelineMember
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.engine import Engine
+from mooncaked.instance.heartbeat import InstanceHeartbeat
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.instance.local_link import LocalEngineLink, LocalFabric
 from mooncaked.instance.pool_cache import PoolCache
@@ -203,15 +205,9 @@ class Cluster:
         for name, link in self.links.items():
             if not isinstance(link, LocalEngineLink):
                 continue
-            engine = link.worker.engine
-            events = [KVEvent(STORED if e.kind == "stored" else REMOVED, list(e.block_hashes), "dram")
-                      for e in await engine.call(engine.block_manager.drain_events)]
-            stats, queued = link.worker.load()
-            load = InstanceLoad(queued_prefill_tokens=max(queued, self.queued[name]),
-                                running_requests=stats.num_running, waiting_requests=stats.num_waiting,
-                                free_kv_blocks=stats.num_free_blocks, total_kv_blocks=stats.num_blocks,
-                                prefill_tokens_computed=stats.prefill_tokens_computed)
-            self.conductor.heartbeat(Heartbeat(name, load, link.worker.state(), events))
+            hb = InstanceHeartbeat(link.worker).beat()
+            hb.load.queued_prefill_tokens = max(hb.load.queued_prefill_tokens, self.queued[name])
+            self.conductor.heartbeat(hb)
 
     async def close(self) -> None:
         for e in self.engines:

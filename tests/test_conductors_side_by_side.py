@@ -19,10 +19,11 @@ import grpc
 import pytest
 
 from cluster import Cluster
+from mooncaked.conductor.engine_link import REMOVED, STORED, DecodeSample, Heartbeat, KVEvent
 from mooncaked.config import ConfigError, HostPort, PrefillConfig
 from mooncaked.hashing import block_hashes
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from mooncaked.roles.membership import HeartbeatFeed
+from mooncaked.instance.heartbeat import HeartbeatFeed
 from mooncaked.rpc import RPC_TIMEOUT_S
 from tiny_models import random_prompts
 
@@ -30,21 +31,18 @@ pytestmark = pytest.mark.timeout(420)
 
 SERVING = common_pb2.INSTANCE_STATE_SERVING
 DRAINING = common_pb2.INSTANCE_STATE_DRAINING
-STORED = common_pb2.KVEvent.KIND_STORED
-REMOVED = common_pb2.KVEvent.KIND_REMOVED
-
 
 # -- the pieces ------------------------------------------------------------------------------------
 
-def _event(kind: int, *hashes: int) -> common_pb2.KVEvent:
-    return common_pb2.KVEvent(kind=kind, block_hashes=hashes, medium="dram", instance="p1")
+def _event(kind: str, *hashes: int) -> KVEvent:
+    return KVEvent(kind, list(hashes), "dram", "p1")
 
 
 class _Engine:
-    """What the engine's heartbeat callable would drain: events queued by the test."""
+    """What the instance's heartbeat callable would drain: events queued by the test."""
 
     def __init__(self) -> None:
-        self.events: list[common_pb2.KVEvent] = []
+        self.events: list[KVEvent] = []
         self.cached: set[int] = set()
 
     def store(self, *hashes: int) -> None:
@@ -55,16 +53,15 @@ class _Engine:
         self.cached.difference_update(hashes)
         self.events.append(_event(REMOVED, *hashes))
 
-    def heartbeat(self) -> conductor_pb2.HeartbeatRequest:
+    def heartbeat(self) -> Heartbeat:
         events, self.events = self.events, []
-        return conductor_pb2.HeartbeatRequest(name="p1", events=events,
-                                              decode_samples=[conductor_pb2.DecodeSample(batch=1)])
+        return Heartbeat("p1", events=events, decode_samples=[DecodeSample(1, 0, 0.0)])
 
-    async def snapshot(self) -> list[common_pb2.KVEvent]:
+    async def snapshot(self) -> list[KVEvent]:
         return [_event(STORED, *sorted(self.cached))] if self.cached else []
 
 
-def _apply(index: set[int], hb: conductor_pb2.HeartbeatRequest) -> None:
+def _apply(index: set[int], hb: Heartbeat) -> None:
     """What a conductor's prefix index does with a heartbeat (stored/removed are set operations)."""
     for e in hb.events:
         (index.update if e.kind == STORED else index.difference_update)(e.block_hashes)

@@ -39,6 +39,58 @@ POOL = "pool"  # PrefillPlan.pull_from / PrefillResult.pulled_from: the Mooncake
 STARTING, SERVING, DRAINING, DEAD = "starting", "serving", "draining", "dead"
 
 
+# KV events as engines report them in heartbeats
+STORED, REMOVED = "stored", "removed"
+
+
+@dataclass
+class InstanceLoad:
+    """What an engine last reported of its load (heartbeats)."""
+
+    queued_prefill_tokens: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    prefix_hit_blocks: int = 0
+    prefix_query_blocks: int = 0
+    prefill_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    decode_tokens: int = 0
+    cached_kv_blocks: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class KVEvent:
+    """Blocks that appeared on (``STORED``) or left (``REMOVED``) an instance's cache or tier."""
+
+    kind: str
+    block_hashes: list[int]
+    medium: str = ""
+    instance: str = ""  # the holder, when not the reporting instance
+
+
+@dataclass
+class DecodeSample:
+    """One measured decode step (feeds the conductor's TBT model)."""
+
+    batch: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass
+class Heartbeat:
+    """Liveness plus the load and cache changes since the last heartbeat."""
+
+    name: str
+    load: InstanceLoad = field(default_factory=InstanceLoad)
+    state: str = ""  # "": serving
+    events: list[KVEvent] = field(default_factory=list)
+    decode_samples: list[DecodeSample] = field(default_factory=list)
+
+
 class EngineError(Exception):
     """A call to an engine failed: ``kind`` (one of ``KINDS``) says how, ``detail`` is the engine's message."""
 

@@ -11,12 +11,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from mooncaked.conductor.engine_link import DRAINING, EngineError, TransferEndpoint
+from mooncaked.conductor.engine_link import DRAINING, REMOVED, STORED, EngineError, Heartbeat, TransferEndpoint
 from mooncaked.conductor.errors import AlreadyExists, BadRequest, FailedPrecondition, NotFound
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.readiness import ReadyGate
-from mooncaked.conductor.registry import DEAD, Connect, Instance, InstanceLoad, PipelineMember, Registry
+from mooncaked.conductor.registry import DEAD, Connect, Instance, PipelineMember, Registry
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.conductor.status import ClusterStatus, ConductorFacts, StoreProbe, conductor_info, instance_infos
 from mooncaked.engine.kv_cache import KVLayout
@@ -24,7 +24,6 @@ from mooncaked.engine.kv_cache import KVLayout
 log = logging.getLogger(__name__)
 
 DRAIN_CALL_TIMEOUT_S = 10.0
-STORED, REMOVED = "stored", "removed"
 
 
 @dataclass
@@ -38,36 +37,6 @@ class Registration:
     layout: KVLayout
     transfer: TransferEndpoint = field(default_factory=TransferEndpoint)
     pipeline: PipelineMember | None = None  # one stage of a CPP prefill group
-
-
-@dataclass
-class KVEvent:
-    """Blocks that appeared on (``STORED``) or left (``REMOVED``) an instance's cache or tier."""
-
-    kind: str
-    block_hashes: list[int]
-    medium: str = ""
-    instance: str = ""  # the holder, when not the reporting instance
-
-
-@dataclass
-class DecodeSample:
-    """One measured decode step (feeds the conductor's TBT model)."""
-
-    batch: int
-    context_tokens: int
-    seconds: float
-
-
-@dataclass
-class Heartbeat:
-    """Liveness plus the load and cache changes since the last heartbeat."""
-
-    name: str
-    load: InstanceLoad = field(default_factory=InstanceLoad)
-    state: str = ""  # "": serving
-    events: list[KVEvent] = field(default_factory=list)
-    decode_samples: list[DecodeSample] = field(default_factory=list)
 
 
 def check_member(name: str, role: str, member: PipelineMember, registry: Registry) -> None:

@@ -17,12 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mooncaked.conductor.engine_link import DEAD, DRAINING, SERVING, STARTING, EngineLink, TransferEndpoint
+from mooncaked.conductor.engine_link import DEAD, DRAINING, SERVING, STARTING, EngineLink, InstanceLoad, TransferEndpoint
 from mooncaked.conductor.waiting import Changes
 from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.tasks import spawn
 
-__all__ = ["DEAD", "DRAINING", "SERVING", "STARTING", "Connect", "Instance", "InstanceLoad", "PipelineMember",
+__all__ = ["DEAD", "DRAINING", "SERVING", "STARTING", "Connect", "Instance", "PipelineMember",
            "Registry"]
 
 log = logging.getLogger(__name__)
@@ -32,24 +32,6 @@ OLD_LINK_GRACE_S = 1.0
 
 Connect = Callable[[str, str], EngineLink]
 """``(name, address) -> link``: how the registry reaches a newly registered instance."""
-
-
-@dataclass
-class InstanceLoad:
-    """What an engine last reported of its load (heartbeats)."""
-
-    queued_prefill_tokens: int = 0
-    running_requests: int = 0
-    waiting_requests: int = 0
-    free_kv_blocks: int = 0
-    total_kv_blocks: int = 0
-    prefix_hit_blocks: int = 0
-    prefix_query_blocks: int = 0
-    prefill_tokens_computed: int = 0
-    prompt_tokens_cached: int = 0
-    decode_tokens: int = 0
-    cached_kv_blocks: int = 0
-    preemptions: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from mooncaked.conductor import metrics
-from mooncaked.conductor.registry import InstanceLoad, PipelineMember, Registry
+from mooncaked.conductor.engine_link import InstanceLoad
+from mooncaked.conductor.registry import PipelineMember, Registry
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security

@@ -7,11 +7,12 @@ The gRPC servicer (roles/conductor.py) and the HTTP front (whose OpenAI parser b
 from __future__ import annotations
 
 from mooncaked.conductor.core import DEFAULT_MAX_TOKENS, Chunk, GenerateSpec
-from mooncaked.conductor.engine_link import DEAD, DRAINING, SERVING, STARTING
+from mooncaked.conductor.engine_link import (DEAD, DRAINING, REMOVED, SERVING, STARTING, STORED, DecodeSample,
+                                             Heartbeat, InstanceLoad, KVEvent)
 from mooncaked.conductor.errors import BadRequest
 from mooncaked.conductor.grpc_engine import STATE_OF, endpoint_from_proto
-from mooncaked.conductor.membership import REMOVED, STORED, DecodeSample, Heartbeat, KVEvent, Registration
-from mooncaked.conductor.registry import InstanceLoad, PipelineMember
+from mooncaked.conductor.membership import Registration
+from mooncaked.conductor.registry import PipelineMember
 from mooncaked.conductor.status import ClusterStatus, ConductorInfo, InstanceInfo, StoreInfo
 from mooncaked.engine import RequestError
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2
@@ -22,6 +23,7 @@ ROLE_ENUMS = {name: enum for enum, name in ROLE_NAMES.items()}
 STATE_ENUMS = {STARTING: common_pb2.INSTANCE_STATE_STARTING, SERVING: common_pb2.INSTANCE_STATE_SERVING,
                DRAINING: common_pb2.INSTANCE_STATE_DRAINING, DEAD: common_pb2.INSTANCE_STATE_DEAD}
 _EVENT_KINDS = {common_pb2.KVEvent.KIND_STORED: STORED, common_pb2.KVEvent.KIND_REMOVED: REMOVED}
+_EVENT_ENUMS = {kind: enum for enum, kind in _EVENT_KINDS.items()}
 _LOAD_FIELDS = tuple(InstanceLoad.__dataclass_fields__)
 
 
@@ -79,6 +81,16 @@ def heartbeat_from_proto(r: conductor_pb2.HeartbeatRequest) -> Heartbeat:
         r.name, load_from_proto(r.load), STATE_OF.get(r.state, ""),
         [KVEvent(_EVENT_KINDS.get(e.kind, ""), list(e.block_hashes), e.medium, e.instance) for e in r.events],
         [DecodeSample(s.batch, s.context_tokens, s.seconds) for s in r.decode_samples])
+
+
+def heartbeat_to_proto(hb: Heartbeat) -> conductor_pb2.HeartbeatRequest:
+    """An engine's heartbeat on the wire (the engine side of ``heartbeat_from_proto``)."""
+    return conductor_pb2.HeartbeatRequest(
+        name=hb.name, load=load_to_proto(hb.load), state=STATE_ENUMS.get(hb.state, common_pb2.INSTANCE_STATE_SERVING),
+        events=[common_pb2.KVEvent(kind=_EVENT_ENUMS[e.kind], block_hashes=e.block_hashes, medium=e.medium,
+                                   instance=e.instance) for e in hb.events],
+        decode_samples=[conductor_pb2.DecodeSample(batch=s.batch, context_tokens=s.context_tokens, seconds=s.seconds)
+                        for s in hb.decode_samples])
 
 
 def _instance(i: InstanceInfo) -> conductor_pb2.InstanceInfo:

@@ -22,6 +22,7 @@ from mooncaked.engine import Engine
 from mooncaked.engine.loader import resolve_model_dir
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_grpc
 from mooncaked.convert import layout_to_proto
+from mooncaked.instance.heartbeat import InstanceHeartbeat
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.instance.pool_cache import PoolCache, stage_pool_id
 from mooncaked.roles.membership import Memberships
@@ -35,7 +36,6 @@ from mooncaked.transfer import TransferEngine
 log = logging.getLogger(__name__)
 
 _ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
-_MEDIUM = {"cpu": "dram"}
 # what shutdown may take past the drain: aborting, leaving the cluster, closing servers and the data plane
 STOP_MARGIN_S = 5.0
 DEREGISTER_TIMEOUT_S = 2.0
@@ -83,34 +83,15 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
         # nobody routes here before we register; a CPP stage's blocks hold only its layers: they go to the
         # pool under keys of their own, which only stages of the same layers read
         worker.pool = PoolCache(store, engine, stage_pool_id(service.model_id, engine.stage))
-    medium = _MEDIUM.get(engine.runner.device.type, "hbm")
-
     def register() -> conductor_pb2.RegisterRequest:
         return conductor_pb2.RegisterRequest(name=cfg.name, role=_ROLES[role], address=address,
                                              model_id=service.model_id, layout=layout_to_proto(service.layout),
                                              transfer=service.endpoint(), pipeline=member)
 
-    def heartbeat() -> conductor_pb2.HeartbeatRequest:
-        events = []
-        for e in engine.block_manager.drain_events():
-            kind = common_pb2.KVEvent.KIND_STORED if e.kind == "stored" else common_pb2.KVEvent.KIND_REMOVED
-            events.append(common_pb2.KVEvent(kind=kind, block_hashes=e.block_hashes, medium=medium,
-                                             instance=cfg.name))
-        samples = [conductor_pb2.DecodeSample(batch=r.decodes, context_tokens=r.decode_context, seconds=r.seconds)
-                   for r in engine.drain_step_log() if r.decodes and not r.prefill_tokens]
-        return conductor_pb2.HeartbeatRequest(name=cfg.name, load=service.load(), state=service.state(),
-                                              events=events, decode_samples=samples[-64:])
-
-    async def snapshot() -> list[common_pb2.KVEvent]:
-        """Every block cached now, for a conductor that has just registered us (on the engine thread:
-        the block manager is not thread-safe)."""
-        hashes = await engine.call(engine.block_manager.cached_hashes)
-        return [common_pb2.KVEvent(kind=common_pb2.KVEvent.KIND_STORED, block_hashes=hashes, medium=medium,
-                                   instance=cfg.name)] if hashes else []
-
     # every conductor listed (--conductor A,B) gets our registration, heartbeats and every KV event
-    membership = Memberships([str(c) for c in cfg.conductor], register, heartbeat, cfg.heartbeat_interval_s,
-                             security, snapshot)
+    heartbeats = InstanceHeartbeat(worker)
+    membership = Memberships([str(c) for c in cfg.conductor], register, heartbeats.beat, cfg.heartbeat_interval_s,
+                             security, heartbeats.snapshot)
     tasks = [*membership.start(), spawn(service.expire_reservations(), "reservations")]
     server.install_signal_handlers()
     # a conductor that never accepts us (not running, a wrong address or secret) is the user's to fix:

@@ -1,124 +1,28 @@
-"""An engine's side of cluster membership: register with each conductor listed (`--conductor A,B`),
-then heartbeat with load and KV events. Conductors side by side each keep the whole picture, so
-every one gets every KV event: the engine's events are drained once per beat and fanned out
-(`HeartbeatFeed`), each conductor's backlog kept until that conductor has acknowledged it. Each
-conductor has its own loop: one that is down or slow never delays the others' heartbeats.
+"""An engine's side of cluster membership on the wire: register with each conductor listed
+(`--conductor A,B`), then send it the heartbeats that `instance/heartbeat.py` builds (its
+`HeartbeatFeed` decides what each conductor gets). Each conductor has its own loop: one that is down
+or slow never delays the others' heartbeats.
 
-A conductor that forgot us (restart) answers known=false and we register again; right after a
-(re)registration it gets a snapshot of every block the engine caches, so a conductor started or
-restarted later knows the cache as well as one that saw every event. An unreachable conductor is
-retried, never fatal."""
+A conductor that forgot us (restart) answers known=false and we register again, and it then starts
+from a snapshot of the cache. An unreachable conductor is retried, never fatal."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import grpc
 
-from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
+from mooncaked.conductor.engine_link import Heartbeat
+from mooncaked.conductor.wire import heartbeat_to_proto
+from mooncaked.instance.heartbeat import HeartbeatFeed, Snapshot
+from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS, RPC_TIMEOUT_S
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
-
-MAX_PENDING_EVENTS = 100_000
-MAX_DECODE_SAMPLES = 64  # per heartbeat: the cost model wants recent steps, not a long history
-
-Snapshot = Callable[[], Awaitable[list[common_pb2.KVEvent]]]
-
-
-@dataclass
-class Backlog:
-    """What one conductor has not yet acknowledged. ``live`` while it knows us: an unregistered
-    conductor collects nothing (it gets a snapshot when it registers us)."""
-
-    conductor: str
-    live: bool = False
-    events: list[common_pb2.KVEvent] = field(default_factory=list)
-    samples: list[conductor_pb2.DecodeSample] = field(default_factory=list)
-    dropping: bool = False  # the bound was hit; said once until the backlog drains
-    dropped: int = 0  # events dropped from the front, ever (so an acknowledgement counts only what is left)
-    dropped_at_send: int = 0
-
-
-class HeartbeatFeed:
-    """The engine's heartbeat shared by its conductors: each pull drains the engine's new KV events
-    and decode samples once and appends them to every live conductor's backlog."""
-
-    def __init__(self, produce: Callable[[], conductor_pb2.HeartbeatRequest], snapshot: Snapshot | None = None,
-                 max_pending_events: int = MAX_PENDING_EVENTS) -> None:
-        self._produce = produce
-        self._snapshot = snapshot
-        self.max_pending_events = max_pending_events
-        self.backlogs: list[Backlog] = []
-
-    def subscribe(self, conductor: str) -> Backlog:
-        backlog = Backlog(conductor)
-        self.backlogs.append(backlog)
-        return backlog
-
-    def _pull(self) -> conductor_pb2.HeartbeatRequest:
-        hb = self._produce()
-        for b in self.backlogs:
-            if not b.live:
-                continue
-            b.events.extend(hb.events)
-            b.samples.extend(hb.decode_samples)
-            del b.samples[:-MAX_DECODE_SAMPLES]
-            if len(b.events) > self.max_pending_events:
-                if not b.dropping:
-                    log.warning("dropping %d KV events unsent to conductor %s (it does not acknowledge them)",
-                                len(b.events) - self.max_pending_events, b.conductor)
-                b.dropping = True
-                b.dropped += len(b.events) - self.max_pending_events
-                del b.events[:-self.max_pending_events]
-        del hb.events[:]
-        del hb.decode_samples[:]
-        return hb
-
-    def beat(self, backlog: Backlog) -> conductor_pb2.HeartbeatRequest:
-        """This conductor's heartbeat: load and state as of now, its whole backlog of events (events not
-        yet acknowledged go out again, so its index misses nothing) and the decode samples since its last."""
-        hb = self._pull()
-        hb.events.extend(backlog.events)
-        hb.decode_samples.extend(backlog.samples)  # samples go once: a lost one only thins the cost model
-        backlog.samples.clear()
-        backlog.dropped_at_send = backlog.dropped
-        return hb
-
-    def acknowledged(self, backlog: Backlog, sent: conductor_pb2.HeartbeatRequest) -> None:
-        del backlog.events[:max(0, len(sent.events) - (backlog.dropped - backlog.dropped_at_send))]
-        if not backlog.events:
-            backlog.dropping = False
-
-    def forget(self, backlog: Backlog) -> None:
-        """The conductor no longer knows us: what it missed is in the snapshot at the next registration."""
-        backlog.live = False
-        backlog.events.clear()
-        backlog.samples.clear()
-        backlog.dropping = False
-
-    async def resync(self, backlog: Backlog) -> None:
-        """The conductor has just registered us (and dropped what it knew of our cache): its backlog
-        becomes a snapshot of the cache, then every event after the snapshot began. Events that happened
-        between the pull and the snapshot are in both, harmlessly: the index treats stored/removed as
-        set operations, so replaying them after the snapshot ends where the engine is."""
-        self._pull()  # what came before goes to the others; this conductor starts from here
-        self.forget(backlog)
-        backlog.live = True
-        if self._snapshot is None:
-            return
-        try:
-            snapshot = await self._snapshot()
-        except Exception:  # a broken snapshot costs the conductor cache knowledge, never membership
-            log.exception("could not snapshot the cache for conductor %s", backlog.conductor)
-            return
-        backlog.events[:0] = snapshot
-
 
 class Membership:
     """Membership with one conductor: register, then heartbeat its backlog, forever."""
@@ -177,7 +81,7 @@ class Membership:
             log.info("registered with conductor %s", self.conductor)
             await self.feed.resync(self.backlog)
         hb = self.feed.beat(self.backlog)
-        reply = await self.stub.Heartbeat(hb, timeout=RPC_TIMEOUT_S)
+        reply = await self.stub.Heartbeat(heartbeat_to_proto(hb), timeout=RPC_TIMEOUT_S)
         self.feed.acknowledged(self.backlog, hb)
         if not reply.known:
             log.warning("conductor %s does not know us; registering again", self.conductor)
@@ -198,7 +102,7 @@ class Memberships:
     """An engine's membership with every conductor listed, each on its own loop (`start`)."""
 
     def __init__(self, conductors: Sequence[str], register: Callable[[], conductor_pb2.RegisterRequest],
-                 heartbeat: Callable[[], conductor_pb2.HeartbeatRequest], interval_s: float,
+                 heartbeat: Callable[[], Heartbeat], interval_s: float,
                  security: Security | None = None, snapshot: Snapshot | None = None) -> None:
         if not conductors:
             raise ValueError("at least one conductor is needed")

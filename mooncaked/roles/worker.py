@@ -16,14 +16,14 @@ from collections import OrderedDict
 
 import grpc
 
-from mooncaked.conductor import engine_link as el
 from mooncaked.conductor.engine_link import EngineError, PrefillResult, Reservation, StageOpen
 from mooncaked.conductor.grpc_engine import (STATUS_OF, GrpcEngineLink, endpoint_from_proto, endpoint_to_proto,
                                              plan_from_proto, result_to_proto)
-from mooncaked.convert import (layout_from_proto, layout_to_proto, load_to_proto, sampling_from_proto,
-                               top_from_proto, top_to_proto)
+from mooncaked.conductor.wire import STATE_ENUMS, load_to_proto
+from mooncaked.convert import layout_from_proto, layout_to_proto, sampling_from_proto, top_from_proto, top_to_proto
 from mooncaked.engine import Engine, RequestError
 from mooncaked.instance.decode import RESERVATION_TTL_S
+from mooncaked.instance.heartbeat import instance_load
 from mooncaked.instance.pool_cache import PoolCache
 from mooncaked.instance.worker import Worker
 from mooncaked.proto.mooncake.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -35,10 +35,6 @@ log = logging.getLogger(__name__)
 
 MAX_PEER_LINKS = 64
 PEER_LINK_GRACE_S = 1.0
-STATE_ENUM = {el.SERVING: common_pb2.INSTANCE_STATE_SERVING, el.DRAINING: common_pb2.INSTANCE_STATE_DRAINING,
-              el.DEAD: common_pb2.INSTANCE_STATE_DEAD, el.STARTING: common_pb2.INSTANCE_STATE_STARTING}
-
-
 async def _refuse(context: grpc.aio.ServicerContext, e: EngineError) -> None:
     await context.abort(STATUS_OF.get(e.kind, grpc.StatusCode.INTERNAL), e.detail or e.kind)
 
@@ -104,11 +100,10 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
         return endpoint_to_proto(self.worker.endpoint())
 
     def load(self) -> common_pb2.InstanceLoad:
-        stats, queued = self.worker.load()
-        return load_to_proto(stats, queued)
+        return load_to_proto(instance_load(self.worker))
 
     def state(self) -> int:
-        return STATE_ENUM[self.worker.state()]
+        return STATE_ENUMS[self.worker.state()]
 
     # -- decode side ------------------------------------------------------------------------
     async def Reserve(self, request, context):
@@ -212,7 +207,7 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                                      model_id=w.model_id)
 
     async def Drain(self, request, context):
-        return engine_pb2.DrainReply(state=STATE_ENUM[self.worker.drain(request.drain)])
+        return engine_pb2.DrainReply(state=STATE_ENUMS[self.worker.drain(request.drain)])
 
     async def CachedPrefix(self, request, context):
         return engine_pb2.CachedPrefixReply(num_blocks=self.worker.cached_prefix(list(request.block_hashes)))
