@@ -61,9 +61,13 @@ class TransferEngine:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         token: bytes | None = None,
         limits: ConnLimits | None = None,
+        io_process: bool = False,
     ) -> None:
         """`token`: the cluster secret every peer must prove (None: no handshake, for loopback
-        clusters); `limits`: the incoming connections' cap and timeouts (conn_guard.ConnLimits)."""
+        clusters); `limits`: the incoming connections' cap and timeouts (conn_guard.ConnLimits);
+        `io_process`: the ops this engine starts over tcp run in a dedicated I/O process
+        (io_transport.py; its regions are then allocated in shared memory), so a busy event loop
+        does not starve them."""
         if backend not in BACKENDS:
             raise TransferError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
         if connections_per_peer < 1:
@@ -80,7 +84,15 @@ class TransferEngine:
         self._tcp = TcpTransport(self._regions, connections_per_peer, connect_timeout_s, limiter, token,
                                  limits.client_idle_s)
         self._peers = PeerDirectory(self._tcp.fetch_info)
-        self._transports: list[Transport] = chain(backend, Wiring(self._regions, self._peers, self._tcp, host))
+        io_config = None
+        if io_process and limiter is not None:
+            raise TransferError("the transfer I/O process does not pace: give io_process or rate_limit_bytes_per_s, "
+                                "not both")
+        if io_process:
+            io_config = {"connections_per_peer": connections_per_peer, "connect_timeout_s": connect_timeout_s,
+                         "idle_s": limits.client_idle_s, "token": token, "rate_limit_bytes_per_s": rate_limit_bytes_per_s}
+        wiring = Wiring(self._regions, self._peers, self._tcp, host, io_config)
+        self._transports: list[Transport] = chain(backend, wiring)
         self._shared_memory = any(t.shared_memory for t in self._transports)
         self._host_id = host_id()
         self.address: str | None = None
@@ -176,6 +188,7 @@ class TransferEngine:
             incoming_connections=len(conns),
             ops_per_incoming_connection=[c.ops_served for c in conns],
             outgoing_connections=outgoing,
+            io_process_pid=next((t.pid for t in self._transports if t.pid is not None), None),
         )
 
     # -- transfers -----------------------------------------------------------

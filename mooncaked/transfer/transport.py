@@ -78,6 +78,11 @@ class Transport(ABC):
         """A peer's bytes as a new bytes object, copied once; None where this transport cannot."""
         return None
 
+    @property
+    def pid(self) -> int | None:
+        """The process doing this transport's I/O, when it is not the engine's own."""
+        return None
+
     def outgoing_connections(self) -> dict[str, int]:
         """Open connections per peer, for EngineStats."""
         return {}
