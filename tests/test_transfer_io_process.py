@@ -82,13 +82,13 @@ def test_bytes_land_both_ways_through_the_io_process_with_typed_errors() -> None
             # many small reads: more than one window of requests ahead of their answers on a connection
             await io.submit([TransferOp("read", "back", o, addr, "dst", o, 4 * KiB) for o in range(0, n, 4 * KiB)])
             assert torch.equal(back, src)
-            with pytest.raises(UnknownRegionError, match="'nope'"):
-                await io.submit([TransferOp("write", "src", 0, addr, "nope", 0, 16)])
             back.zero_()
-            good = TransferOp("read", "back", 0, addr, "dst", 0, MiB)
+            good = TransferOp("read", "back", 0, addr, "dst", 0, 4 * MiB)  # big enough a share for the child
+            with pytest.raises(UnknownRegionError, match="'nope'"):
+                await io.submit([TransferOp("write", "src", 0, addr, "nope", 0, 16), good])
+            assert torch.equal(back[: 4 * MiB], src[: 4 * MiB])  # the batch's good op still ran
             with pytest.raises(OutOfBoundsError, match="dst"):
                 await io.submit([TransferOp("write", "src", 0, addr, "dst", n - 1, 16), good])
-            assert torch.equal(back[:MiB], src[:MiB])  # the batch's good op still ran
             # a caller's own tensor is not in shared memory: the in-process tcp transport carries it
             plain = rand_bytes(MiB, 2)
             io.register("plain", plain)
@@ -113,13 +113,13 @@ def test_the_io_process_proves_the_secret_and_refuses_a_peer_without_it() -> Non
         addr_wrong, addr_none = await wrong.start(), await none.start()
         await io.start()
         try:
-            io.alloc_region("src", MiB)
-            wrong.alloc_region("dst", MiB)
-            none.alloc_region("dst", MiB)
+            io.alloc_region("src", 4 * MiB)
+            wrong.alloc_region("dst", 4 * MiB)
+            none.alloc_region("dst", 4 * MiB)
             with pytest.raises(PeerUnavailableError, match="secret"):
-                await io.submit([TransferOp("write", "src", 0, addr_wrong, "dst", 0, KiB)])
+                await io.submit([TransferOp("write", "src", 0, addr_wrong, "dst", 0, 4 * MiB)])
             with pytest.raises(PeerUnavailableError, match="handshake"):
-                await io.submit([TransferOp("write", "src", 0, addr_none, "dst", 0, KiB)])
+                await io.submit([TransferOp("write", "src", 0, addr_none, "dst", 0, 4 * MiB)])
         finally:
             await io.close()
             await wrong.close()
@@ -161,7 +161,7 @@ async def rig(seed: int) -> AsyncIterator[Rig]:
 def test_deadline_and_cancel_reach_the_io_process() -> None:
     async def body() -> None:
         async with rig(3) as r:
-            for op in (TransferOp("read", "src", 0, r.hole, "dst", 0, KiB),
+            for op in (TransferOp("read", "src", 0, r.hole, "dst", 0, 8 * MiB),
                        TransferOp("write", "src", 0, r.hole, "dst", 0, 8 * MiB)):  # waiting for an answer; stuck sending
                 with pytest.raises(TransferTimeoutError, match="deadline"):
                     await r.io.submit([op], timeout_s=0.5)
@@ -186,6 +186,10 @@ def test_a_killed_io_process_fails_the_batch_in_flight_and_a_fresh_one_takes_ove
             os.kill(pid, signal.SIGKILL)
             with pytest.raises(PeerUnavailableError, match=f"I/O process {pid} exited"):
                 await stuck  # the pytest timeout would catch a hang
+            # a small share stays in-process (the hop would cost more than it moves): no child needed
+            await r.io.submit([TransferOp("write", "src", 0, r.addr, "dst", 0, 64 * KiB)])
+            assert torch.equal(r.dst[: 64 * KiB], r.src[: 64 * KiB])
+            assert r.io.stats().io_process_pid is None
             await r.io.submit([TransferOp("write", "src", 0, r.addr, "dst", 0, 8 * MiB)])
             assert torch.equal(r.dst, r.src)
             fresh = r.io.stats().io_process_pid

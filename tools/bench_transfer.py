@@ -4,20 +4,25 @@ Rows (the same total bytes, moved as fixed-size blocks):
   socket   plain blocking sockets: sendall from a memoryview, recv_into a
            preallocated buffer (the ceiling for any tcp transport here)
   tcp      TransferEngine(backend="tcp"), one batch of write ops (default
-           4 connections per peer, and again with 1)
+           4 connections per peer, and again with 1), and tcp_io: the same
+           through the engine's I/O process (io_process=True)
   memcpy   torch copy_ and ctypes.memmove of the same blocks in one process
   shm      TransferEngine(backend="shm"), peer in another process
   mooncake mooncake-transfer-engine's TCP transport, when importable
            (through our adapter, mooncaked.transfer.rdma; run after the others)
 
-Usage: python tools/bench_transfer.py [--quick] [--json] [--contention] [--total-mib N] [--block-mib N] [--token]
+Usage: python tools/bench_transfer.py [--quick] [--json] [--contention [--burn-ms MS]] [--total-mib N]
+       [--block-mib N] [--token]
 --token: our engines prove a cluster secret to each other (the handshake, once per connection).
 --contention: only the socket and tcp rows, under load: one compute process per core (torch
   matmuls, one thread each) saturates the CPU, and the engine's own event loop is kept busy by a
   task burning CPU in short slices (pure Python, the GIL held, as a serving engine's loop runs its
   scheduler). The socket baseline (the ceiling, the ratio's denominator) blocks the loop thread in
   sendall, so it meets the same busy cores but not the burner; socket_thread runs the same sendall
-  in a thread beside the burning loop (it shares the GIL with it), for comparison.
+  in a thread beside the burning loop (it shares the GIL with it), for comparison, and socket_proc
+  sends from a process of its own while the burner burns: the same load as the engine's rows (the
+  fair ceiling). `same_contention` in the JSON: per row, the median over reps of row / baseline
+  within one rep, against socket_proc and against socket.
 Baseline and engine reps are interleaved so both see the same machine load.
 Processes are spawned, never forked: forking after allocating big buffers
 would make every page copy-on-write.
