@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         row("plain socket (baseline)", "socket")
         row("TransferEngine tcp", "tcp", f"{best['tcp'] / best['socket']:.2f}x socket", tcp_ok)
         row("TransferEngine tcp, 1 conn", "tcp_1conn", f"{best['tcp_1conn'] / best['socket']:.2f}x socket", tcp_ok)
+        row("TransferEngine tcp, I/O process", "tcp_io", f"{best['tcp_io'] / best['socket']:.2f}x socket", tcp_ok)
         row("memcpy: torch copy_ (baseline)", "torch_copy")
         row("memcpy: memmove (baseline)", "memmove")
         row("TransferEngine shm", "shm", f"{best['shm'] / memcpy:.2f}x best memcpy", shm_ok)
