@@ -479,6 +479,9 @@ class WorkerConfig(RoleConfig):
     transfer_rate_limit: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                                "cap the data plane's send rate, bytes/s (emulates a slower "
                                                "network in benchmarks; default: no cap)", "SIZE")
+    transfer_io_process: bool = _setting(False, _bool, "run this engine's tcp transfers in a dedicated I/O "
+                                         "process (the KV region then lives in shared memory), so a busy engine "
+                                         "does not starve its KV pushes")
     kv_push: str = _setting("layerwise", _choice(("layerwise", "after_prefill")),
                             _choices_help("how a prefill sends the prompt's KV cache to decode:", KV_PUSH_HELP),
                             "MODE")
@@ -500,6 +503,9 @@ class WorkerConfig(RoleConfig):
         super().__post_init__()
         if self.transfer_listen is None:
             object.__setattr__(self, "transfer_listen", HostPort(self.listen.host, 0))
+        if self.transfer_io_process and self.transfer_rate_limit:
+            raise ConfigError("transfer_io_process and transfer_rate_limit exclude each other: the I/O process "
+                              "does not pace; drop one")
         if self.store_lmdb_bytes and not self.store_lmdb_path:
             raise ConfigError("store_lmdb_bytes is set but store_lmdb_path is not: say where the LMDB tier lives")
 

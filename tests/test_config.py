@@ -221,3 +221,10 @@ def test_each_role_help_shows_its_own_flags_each_with_its_default(role):
     if role != "all":
         with pytest.raises(ConfigError, match="is a setting of role"):
             load_config(parser.parse_args(["--role", role, other, "x"]), {})
+
+
+def test_transfer_io_process_is_a_flag_that_excludes_a_rate_limit():
+    assert _load(["--role", "decode", "--transfer-io-process"]).transfer_io_process is True
+    assert _load(["--role", "prefill"]).transfer_io_process is False
+    with pytest.raises(ConfigError, match="transfer_io_process and transfer_rate_limit exclude each other"):
+        _load(["--role", "prefill", "--transfer-io-process", "--transfer-rate-limit", "1MiB"])

@@ -4,20 +4,25 @@ Rows (the same total bytes, moved as fixed-size blocks):
   socket   plain blocking sockets: sendall from a memoryview, recv_into a
            preallocated buffer (the ceiling for any tcp transport here)
   tcp      TransferEngine(backend="tcp"), one batch of write ops (default
-           4 connections per peer, and again with 1)
+           4 connections per peer, and again with 1), and tcp_io: the same
+           through the engine's I/O process (io_process=True)
   memcpy   torch copy_ and ctypes.memmove of the same blocks in one process
   shm      TransferEngine(backend="shm"), peer in another process
   mooncake mooncake-transfer-engine's TCP transport, when importable
            (through our adapter, mooncaked.transfer.rdma; run after the others)
 
-Usage: python tools/bench_transfer.py [--quick] [--json] [--contention] [--total-mib N] [--block-mib N] [--token]
+Usage: python tools/bench_transfer.py [--quick] [--json] [--contention [--burn-ms MS]] [--total-mib N]
+       [--block-mib N] [--token]
 --token: our engines prove a cluster secret to each other (the handshake, once per connection).
 --contention: only the socket and tcp rows, under load: one compute process per core (torch
   matmuls, one thread each) saturates the CPU, and the engine's own event loop is kept busy by a
   task burning CPU in short slices (pure Python, the GIL held, as a serving engine's loop runs its
   scheduler). The socket baseline (the ceiling, the ratio's denominator) blocks the loop thread in
   sendall, so it meets the same busy cores but not the burner; socket_thread runs the same sendall
-  in a thread beside the burning loop (it shares the GIL with it), for comparison.
+  in a thread beside the burning loop (it shares the GIL with it), for comparison, and socket_proc
+  sends from a process of its own while the burner burns: the same load as the engine's rows (the
+  fair ceiling). `same_contention` in the JSON: per row, the median over reps of row / baseline
+  within one rep, against socket_proc and against socket.
 Baseline and engine reps are interleaved so both see the same machine load.
 Processes are spawned, never forked: forking after allocating big buffers
 would make every page copy-on-write.
@@ -84,6 +89,21 @@ def _socket_receiver(pipe: Connection, total: int) -> None:
         conn.sendall(b"k")
 
 
+def _socket_sender(pipe: Connection, total: int, port: int) -> None:
+    """The fair baseline under --contention: a plain blocking socket in a process of its own, so the
+    burner keeps burning the engine's loop while it sends (the same load the engine meets), and it
+    shares no GIL with it (the ceiling for any design that moves the socket work off that GIL)."""
+    buf = bytearray(total)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        pipe.send("ready")
+        while pipe.recv() == "go":
+            t0 = time.perf_counter()
+            sock.sendall(view)
+            assert sock.recv(1) == b"k"
+            pipe.send(time.perf_counter() - t0)
+
+
 def _engine_peer(pipe: Connection, backend: str, total: int, token: bytes | None) -> None:
     async def main() -> None:
         engine = TransferEngine(backend=backend, token=token)
@@ -124,7 +144,8 @@ class Contention:
 
     BURN_SLICE_S = 0.002
 
-    def __init__(self) -> None:
+    def __init__(self, burn_slice_s: float = BURN_SLICE_S) -> None:
+        self.burn_slice_s = burn_slice_s
         self._stop = CTX.Event()
         self._procs = [CTX.Process(target=_hog, args=(self._stop,), daemon=True) for _ in range(os.cpu_count() or 1)]
         self._burner: asyncio.Task[None] | None = None
@@ -146,7 +167,7 @@ class Contention:
 
     async def _burn(self) -> None:
         while True:
-            end = time.perf_counter() + self.BURN_SLICE_S
+            end = time.perf_counter() + self.burn_slice_s
             x = 0
             while time.perf_counter() < end:
                 x += 1  # Python bytecode: holds the GIL, as a scheduler step does
@@ -167,7 +188,12 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
     """Plain socket and engine tcp, reps interleaved so both see the same load."""
     _, sock_proc, port = _spawn(_socket_receiver, total)
     pipe, peer_proc, peer = _spawn(_engine_peer, "tcp", total, token)
-    times: dict[str, list[float] | bool] = {"socket": [], "tcp": [], "tcp_1conn": []}
+    times: dict[str, list[float] | bool] = {"socket": [], "tcp": [], "tcp_1conn": [], "tcp_io": []}
+    sender = None
+    if contention is not None:
+        _, recv2_proc, port2 = _spawn(_socket_receiver, total)
+        sender_pipe, sender_proc, _ = _spawn(_socket_sender, total, port2)
+        sender = (sender_pipe, sender_proc, recv2_proc)
 
     def send_pass(sock: socket.socket, view: memoryview) -> None:
         sock.sendall(view)  # blocking on purpose: the plain-socket ceiling
@@ -176,13 +202,16 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
     async def main() -> bool:
         engine = TransferEngine(backend="tcp", token=token)
         one = TransferEngine(backend="tcp", connections_per_peer=1, token=token)
-        src = engine.alloc_region("src", total)
+        io = TransferEngine(backend="tcp", token=token, io_process=True)
+        await io.start()
+        src = io.alloc_region("src", total)  # in shared memory: the I/O process sends from it
+        engine.register("src", src)
         one.register("src", src)
         _fill(src)
         view = src.numpy().data
         ops = [TransferOp("write", "src", o, peer, "dst", o, block) for o in range(0, total, block)]
         loop = asyncio.get_running_loop()
-        for eng in (engine, one):
+        for eng in (engine, one, io):
             await eng.submit(ops[:1])  # opens the pool: set-up, not transfer
         if contention is not None:
             contention.start_hogs()
@@ -197,7 +226,11 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
                     t0 = time.perf_counter()
                     await loop.run_in_executor(None, send_pass, sock, view)
                     times.setdefault("socket_thread", []).append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
-                for key, eng in (("tcp", engine), ("tcp_1conn", one)):
+                if sender is not None:  # and in a process of its own while the loop burns: the same load
+                    sender[0].send("go")
+                    took = await loop.run_in_executor(None, sender[0].recv)
+                    times.setdefault("socket_proc", []).append(_gbps(total, took))  # type: ignore[union-attr]
+                for key, eng in (("tcp", engine), ("tcp_1conn", one), ("tcp_io", io)):
                     t0 = time.perf_counter()
                     await eng.submit(ops)
                     times[key].append(_gbps(total, time.perf_counter() - t0))  # type: ignore[union-attr]
@@ -208,6 +241,7 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
         ok = await loop.run_in_executor(None, pipe.recv) == _digest(src)
         await one.close()
         await engine.close()
+        await io.close()
         return ok
 
     try:
@@ -218,6 +252,10 @@ def bench_tcp(total: int, block: int, reps: int, token: bytes | None = None,
         pipe.send("stop")
         peer_proc.join(30)
         sock_proc.join(30)
+        if sender is not None:
+            sender[0].send("stop")
+            for proc in sender[1:]:
+                proc.join(30)
     return times
 
 
@@ -310,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", action="store_true", help="engines prove a (random) cluster secret to each other")
     ap.add_argument("--contention", action="store_true",
                     help="socket and tcp rows only, with every core busy and the engine's loop burning CPU")
+    ap.add_argument("--burn-ms", type=float, default=Contention.BURN_SLICE_S * 1e3,
+                    help="--contention: how long each burn slice holds the engine's loop (and the GIL)")
     args = ap.parse_args(argv)
     total = (args.total_mib or (256 if args.quick else 1024)) * MiB
     block = args.block_mib * MiB
@@ -319,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
     token = os.urandom(32).hex().encode() if args.token else None
     if args.contention:
-        return contention_main(total, block, reps, token, args.json)
+        return contention_main(total, block, reps, token, args.json, args.burn_ms / 1e3)
     tcp_runs = bench_tcp(total, block, reps, token)
     shm_runs = bench_shm(total, block, reps, token)
     mc = bench_mooncake(total, block, reps)
@@ -356,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         row("plain socket (baseline)", "socket")
         row("TransferEngine tcp", "tcp", f"{best['tcp'] / best['socket']:.2f}x socket", tcp_ok)
         row("TransferEngine tcp, 1 conn", "tcp_1conn", f"{best['tcp_1conn'] / best['socket']:.2f}x socket", tcp_ok)
+        row("TransferEngine tcp, I/O process", "tcp_io", f"{best['tcp_io'] / best['socket']:.2f}x socket", tcp_ok)
         row("memcpy: torch copy_ (baseline)", "torch_copy")
         row("memcpy: memmove (baseline)", "memmove")
         row("TransferEngine shm", "shm", f"{best['shm'] / memcpy:.2f}x best memcpy", shm_ok)
@@ -375,12 +416,25 @@ def _tcp_figures(best: dict[str, float], median: dict[str, float]) -> dict[str, 
             "median_gbps": {k: round(v, 3) for k, v in median.items()},
             "tcp_vs_socket": round(best["tcp"] / best["socket"], 3),
             "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
-            "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3)}
+            "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
+            "tcp_io_vs_socket": round(best["tcp_io"] / best["socket"], 3),
+            "tcp_io_vs_socket_median": round(median["tcp_io"] / median["socket"], 3)}
 
 
-def contention_main(total: int, block: int, reps: int, token: bytes | None, as_json: bool) -> int:
-    """--contention: the tcp rows under load; the ratio tcp/socket is what the data plane must hold."""
-    load = Contention()
+def _paired(runs: dict[str, list[float]], row: str, baseline: str) -> float:
+    """Median over reps of row/baseline within the same rep: the reps are interleaved, so a pair
+    saw the same moment's load (on a shared machine the load moves more between reps than within)."""
+    return round(statistics.median(a / b for a, b in zip(runs[row], runs[baseline], strict=True)), 3)
+
+
+def contention_main(total: int, block: int, reps: int, token: bytes | None, as_json: bool,
+                    burn_slice_s: float = Contention.BURN_SLICE_S) -> int:
+    """--contention: the tcp rows under load; the ratio tcp/socket is what the data plane must hold.
+
+    Two baselines: `socket` blocks the engine's loop thread in sendall, so the burner pauses while
+    it sends (less load than the engine meets); `socket_proc` sends from a process of its own while
+    the burner burns (the same load: the fair ceiling). `same_contention` holds the paired ratios."""
+    load = Contention(burn_slice_s)
     runs = bench_tcp(total, block, reps, token, load)
     ok = bool(runs.pop("tcp_verified"))
     best = {k: max(v) for k, v in runs.items()}  # type: ignore[arg-type]
@@ -390,9 +444,11 @@ def contention_main(total: int, block: int, reps: int, token: bytes | None, as_j
         "block_bytes": block,
         "reps": reps,
         "cluster_secret": bool(token),
-        "contention": {"compute_processes": os.cpu_count() or 1, "loop_burn_slice_s": load.BURN_SLICE_S,
+        "contention": {"compute_processes": os.cpu_count() or 1, "loop_burn_slice_s": load.burn_slice_s,
                        "loop_slices_burnt": load.slices},
         **_tcp_figures(best, median),
+        "same_contention": {f"{row}_vs_{base}_paired_median": _paired(runs, row, base)  # type: ignore[arg-type]
+                            for row in ("tcp", "tcp_io") for base in ("socket_proc", "socket")},
         "tcp_verified": ok,
     }
     if as_json:
@@ -400,13 +456,17 @@ def contention_main(total: int, block: int, reps: int, token: bytes | None, as_j
     else:
         print(f"{total // (1024 * 1024)} MiB as {block // (1024 * 1024)} MiB write ops, {reps} interleaved reps, "
               f"under contention: {os.cpu_count()} compute processes, the engine's loop burning "
-              f"{load.BURN_SLICE_S * 1e3:g} ms slices ({load.slices} burnt)")
+              f"{load.burn_slice_s * 1e3:g} ms slices ({load.slices} burnt)")
         print(f"{'path':<32}{'best':>7}{'median':>8}  {'ratio (best)':<22}verified")
         print(f"{'plain socket (baseline)':<32}{best['socket']:>7.2f}{median['socket']:>8.2f}")
         print(f"{'plain socket in a thread':<32}{best['socket_thread']:>7.2f}{median['socket_thread']:>8.2f}")
-        for label, key in (("TransferEngine tcp", "tcp"), ("TransferEngine tcp, 1 conn", "tcp_1conn")):
+        print(f"{'plain socket, own process':<32}{best['socket_proc']:>7.2f}{median['socket_proc']:>8.2f}")
+        for label, key in (("TransferEngine tcp", "tcp"), ("TransferEngine tcp, 1 conn", "tcp_1conn"),
+                           ("TransferEngine tcp, I/O process", "tcp_io")):
             ratio = f"{best[key] / best['socket']:.2f}x socket"
             print(f"{label:<32}{best[key]:>7.2f}{median[key]:>8.2f}  {ratio:<22}{ok}")
+        for name, value in result["same_contention"].items():
+            print(f"  {name}: {value}")
     return 0 if ok else 1
 
 

@@ -46,7 +46,8 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     security = Security.from_config(cfg)  # TLS and the cluster secret, read once, before anything slow
     backend = "tcp" if cfg.transfer_backend == "auto" else cfg.transfer_backend
     transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port,
-                              rate_limit_bytes_per_s=cfg.transfer_rate_limit, token=security.token)
+                              rate_limit_bytes_per_s=cfg.transfer_rate_limit, token=security.token,
+                              io_process=cfg.transfer_io_process)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     engine = await loop.run_in_executor(

@@ -71,6 +71,8 @@ class EngineStats:
     incoming_connections: int
     ops_per_incoming_connection: list[int]
     outgoing_connections: dict[str, int]
+    io_process_pid: int | None = None
+    """The transfer I/O process serving this engine's tcp ops, while one runs (io_process=True)."""
 
 
 class TransferError(Exception):

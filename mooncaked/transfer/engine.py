@@ -1,56 +1,54 @@
-"""TransferEngine: register memory, submit batches, pick a path per peer.
+"""TransferEngine: register memory, submit batches, hand each peer's share to its transports.
 
-The engine owns the region table, the tcp server that serves it, one
-connection pool per peer, shm mappings of peers' segments and, for the rdma
-backend, Mooncake's engine. It validates every op locally before any byte
-moves, runs each peer's share of a batch concurrently, and reports the first
-failure (with a note counting the others) only after every op has finished
-or been aborted, so a failed submit leaves nothing in flight.
+The engine owns the region table, the tcp server that serves it (and answers the control
+query), the peers' directory and a chain of transports (backends.py; transport.py is the
+interface). It validates every op locally before any byte moves, runs each peer's share of a
+batch concurrently down the chain (a transport answers LEFT for what the next one should
+carry), and reports the first failure (with a note counting the others) only after every op
+has finished or been aborted, so a failed submit leaves nothing in flight.
 
-Given the cluster secret (`token`), every tcp connection in and out opens
-with the handshake of handshake.py, and the control query (INFO) is answered
-only after it; its answer names regions, sizes and shm segments, and raw
-memory addresses only for the rdma backends, whose peers need them.
+Given the cluster secret (`token`), every tcp connection in and out opens with the handshake of
+handshake.py, and the control query (INFO) is answered only after it; its answer names regions,
+sizes and shm segments, and raw memory addresses only when a transport needs peers to know them
+(rdma).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Literal
 
 import torch
 
-from mooncaked.transfer import metrics
 from mooncaked.transfer.api import (
     BACKENDS,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    MOONCAKE_BACKENDS,
     EngineStats,
     PeerInfo,
     RegionInfo,
     TransferError,
     TransferOp,
 )
+from mooncaked.transfer.backends import Wiring, chain
 from mooncaked.transfer.conn_guard import ConnLimits
 from mooncaked.transfer.handshake import check_token
+from mooncaked.transfer.peers import PeerDirectory
 from mooncaked.transfer.ratelimit import TokenBucket
-from mooncaked.transfer.rdma import MooncakeTransport
-from mooncaked.transfer.regions import Region, RegionTable
-from mooncaked.transfer.shm import create_segment, host_id, shm_available
-from mooncaked.transfer.shm_path import ShmPath
-from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_tcp
+from mooncaked.transfer.regions import RegionTable
+from mooncaked.transfer.host import host_id
+from mooncaked.transfer.shm import create_segment, shm_available
 from mooncaked.transfer.tcp_server import TcpServer
+from mooncaked.transfer.tcp_transport import TcpTransport
+from mooncaked.transfer.transport import LEFT, Outcome, Transport
 
 logger = logging.getLogger(__name__)
 
 
 class TransferEngine:
-    """One process's endpoint of the data plane; see DESIGN.md §6."""
+    """One process's endpoint of the data plane; see docs/architecture.md (transfer/)."""
 
     def __init__(
         self,
@@ -63,9 +61,13 @@ class TransferEngine:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         token: bytes | None = None,
         limits: ConnLimits | None = None,
+        io_process: bool = False,
     ) -> None:
         """`token`: the cluster secret every peer must prove (None: no handshake, for loopback
-        clusters); `limits`: the incoming connections' cap and timeouts (conn_guard.ConnLimits)."""
+        clusters); `limits`: the incoming connections' cap and timeouts (conn_guard.ConnLimits);
+        `io_process`: the ops this engine starts over tcp run in a dedicated I/O process
+        (io_transport.py; its regions are then allocated in shared memory), so a busy event loop
+        does not starve them."""
         if backend not in BACKENDS:
             raise TransferError(f"unknown transfer backend {backend!r}; choose one of {BACKENDS}")
         if connections_per_peer < 1:
@@ -73,35 +75,37 @@ class TransferEngine:
         self.backend = backend
         self._host = host
         self._port = port
-        self._conns_per_peer = connections_per_peer
         self._timeout_s = timeout_s
-        self._connect_timeout_s = connect_timeout_s
-        self._limiter = TokenBucket(rate_limit_bytes_per_s) if rate_limit_bytes_per_s else None
-        self._token = check_token(token)
+        limiter = TokenBucket(rate_limit_bytes_per_s) if rate_limit_bytes_per_s else None
+        token = check_token(token)
         self._regions = RegionTable()
-        self._limits = limits or ConnLimits()  # peers are assumed to run with the same
-        self._server = TcpServer(self._regions, self.peer_info, self._limiter, self._token, self._limits)
-        self._pools: dict[str, PeerPool] = {}
-        self._peer_infos: dict[str, PeerInfo] = {}
+        limits = limits or ConnLimits()  # peers are assumed to run with the same
+        self._server = TcpServer(self._regions, self.peer_info, limiter, token, limits)
+        self._tcp = TcpTransport(self._regions, connections_per_peer, connect_timeout_s, limiter, token,
+                                 limits.client_idle_s)
+        self._peers = PeerDirectory(self._tcp.fetch_info)
+        io_config = None
+        if io_process and limiter is not None:
+            raise TransferError("the transfer I/O process does not pace: give io_process or rate_limit_bytes_per_s, "
+                                "not both")
+        if io_process:
+            io_config = {"connections_per_peer": connections_per_peer, "connect_timeout_s": connect_timeout_s,
+                         "idle_s": limits.client_idle_s, "token": token, "rate_limit_bytes_per_s": rate_limit_bytes_per_s}
+        wiring = Wiring(self._regions, self._peers, self._tcp, host, io_config)
+        self._transports: list[Transport] = chain(backend, wiring)
+        self._shared_memory = any(t.shared_memory for t in self._transports)
         self._host_id = host_id()
-        copy_threads = max(1, min(4, os.cpu_count() or 1))
-        self._shm = ShmPath(self._regions, backend == "shm", copy_threads) if backend in ("shm", "auto") else None
-        self._rdma: MooncakeTransport | None = None
         self.address: str | None = None
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------
     async def start(self) -> str:
         """Serve incoming transfers; returns this endpoint's "host:port"."""
-        if self._closed:
-            raise TransferError("transfer engine is closed; make a new one")
+        self._check_open()
         if self.address is not None:
             return self.address
-        if self.backend in MOONCAKE_BACKENDS and self._rdma is None:
-            protocol: Literal["rdma", "tcp"] = "rdma" if self.backend == "rdma" else "tcp"
-            self._rdma = MooncakeTransport(self._host, protocol)  # raises if unavailable
-            for info in self._regions.infos():
-                self._rdma.register(info.address, info.nbytes)
+        for transport in self._transports:
+            await transport.start(self._regions)  # raises if a backend cannot work here
         host, port = await self._server.start(self._host, self._port)
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         logger.info("transfer engine (%s) serving on %s", self.backend, self.address)
@@ -113,32 +117,34 @@ class TransferEngine:
             return
         self._closed = True
         await self._server.close()
-        for pool in self._pools.values():
-            pool.close()
-        self._pools.clear()
+        await self._tcp.close()
         for name in self._regions.names():
             self.unregister(name)
-        if self._shm is not None:
-            self._shm.close()
-        self._rdma = None  # Mooncake's engine stops its threads when dropped
+        for transport in self._transports:
+            await transport.close()
         logger.info("transfer engine %s closed", self.address)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("transfer engine is closed; make a new one")
 
     # -- memory --------------------------------------------------------------
     def register(self, name: str, tensor: torch.Tensor) -> RegionInfo:
         """Expose a contiguous CPU tensor's bytes to peers under `name`."""
         region = self._regions.add(name, tensor)
-        self._rdma_register(region)
+        for transport in self._transports:
+            transport.register(region)
         return region.info
 
     def alloc_region(self, name: str, nbytes: int) -> torch.Tensor:
         """Allocate, prefault and register `nbytes`; returns a uint8 tensor.
 
-        With backend shm/auto the memory is a POSIX shm segment, so a peer on
-        this host maps the same pages and a transfer is one memcpy.
+        When a transport wants it (backend shm/auto) the memory is a POSIX shm segment, so a peer
+        on this host maps the same pages and a transfer is one memcpy.
         """
         if nbytes <= 0:
             raise TransferError(f"region size must be positive, got {nbytes}")
-        if self.backend in ("shm", "auto") and shm_available():
+        if self._shared_memory and shm_available():
             segment = create_segment(nbytes)
             try:
                 region = self._regions.add(name, segment.tensor, segment.shm_name, segment.unlink)
@@ -147,38 +153,42 @@ class TransferEngine:
                 raise
         else:
             region = self._regions.add(name, torch.zeros(nbytes, dtype=torch.uint8))
-        self._rdma_register(region)
+        for transport in self._transports:
+            transport.register(region)
         return region.tensor
 
     def unregister(self, name: str) -> None:
         region = self._regions.remove(name)
-        if self._rdma is not None:
-            self._rdma.unregister(region.info.address)
-
-    def _rdma_register(self, region: Region) -> None:
-        if self._rdma is not None:
-            self._rdma.register(region.info.address, region.info.nbytes)
+        for transport in self._transports:
+            transport.unregister(region)
 
     def info(self) -> PeerInfo:
         """What peers learn about this engine through the control query."""
         regions = {i.name: i for i in self._regions.infos()}
-        return PeerInfo(self._host_id, regions, self._rdma.session if self._rdma else None)
+        return PeerInfo(self._host_id, regions, self._session())
 
     def peer_info(self) -> PeerInfo:
         """What the control query answers a peer: `info` less what the peer cannot use. Region base
         addresses (where our memory sits, which helps an exploit) go only to rdma peers, who name
         raw addresses in their one-sided ops; tcp and shm peers address regions by name."""
         info = self.info()
-        if self._rdma is not None:
+        if info.rdma_session is not None:
             return info
         return PeerInfo(info.host_id, {n: replace(r, address=0) for n, r in info.regions.items()}, None)
 
+    def _session(self) -> str | None:
+        return next((t.session for t in self._transports if t.session is not None), None)
+
     def stats(self) -> EngineStats:
         conns = list(self._server.connections)
+        outgoing: dict[str, int] = {}
+        for transport in {id(t): t for t in (self._tcp, *self._transports)}.values():
+            outgoing.update(transport.outgoing_connections())
         return EngineStats(
             incoming_connections=len(conns),
             ops_per_incoming_connection=[c.ops_served for c in conns],
-            outgoing_connections={p: len(pool.conns) for p, pool in self._pools.items()},
+            outgoing_connections=outgoing,
+            io_process_pid=next((t.pid for t in self._transports if t.pid is not None), None),
         )
 
     # -- transfers -----------------------------------------------------------
@@ -190,8 +200,7 @@ class TransferEngine:
         has finished or been aborted. Ops of one batch run concurrently, so
         overlapping ranges have no defined order.
         """
-        if self._closed:
-            raise TransferError("transfer engine is closed; make a new one")
+        self._check_open()
         timeout = timeout_s if timeout_s is not None else self._timeout_s
         by_peer: dict[str, list[int]] = {}
         for i, op in enumerate(batch):
@@ -202,7 +211,7 @@ class TransferEngine:
                 raise TransferError(f"op {i}: negative remote offset or length")
             by_peer.setdefault(op.peer, []).append(i)
         if len(batch) == 1:
-            error = await self._submit_one(batch[0], timeout)
+            error = await self._carry_one(batch[0], timeout)
             if error is not None:
                 raise error
             return
@@ -221,53 +230,37 @@ class TransferEngine:
         this host: one memcpy where staging would take two. False, with nothing moved, when the
         peer is not reachable through shared memory (backend tcp/rdma, another host, a region
         not in shm): stage the bytes in a registered region and submit() instead."""
+        self._check_open()
         src = memoryview(data).cast("B")
-        target = await self._peer_bytes("write", peer, remote_region, remote_offset, src.nbytes, timeout_s)
-        if target is None:
-            return False
-        target[:] = src
-        metrics.count_op("shm", "write", "initiator", True, sent=src.nbytes)
-        return True
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        for transport in self._transports:
+            if await transport.write_from(src, peer, remote_region, remote_offset, timeout):
+                return True
+        return False
 
     async def read_bytes(self, peer: str, remote_region: str, remote_offset: int, length: int,
                          timeout_s: float | None = None) -> bytes | None:
         """A peer's bytes on this host as a new bytes object, copied once out of its segment; None,
         with nothing read, when shared memory cannot reach them (then stage and submit())."""
-        source = await self._peer_bytes("read", peer, remote_region, remote_offset, length, timeout_s)
-        if source is None:
-            return None
-        out = bytes(source)
-        metrics.count_op("shm", "read", "initiator", True, received=length)
-        return out
-
-    async def _peer_bytes(self, kind: str, peer: str, region: str, offset: int, length: int,
-                          timeout_s: float | None) -> memoryview | None:
-        if self._closed:
-            raise TransferError("transfer engine is closed; make a new one")
-        if self._shm is None or self._rdma is not None:
-            return None
-        if offset < 0 or length <= 0:
-            raise TransferError(f"{kind} of {length} bytes at {offset}: need a positive length and offset >= 0")
+        self._check_open()
         timeout = timeout_s if timeout_s is not None else self._timeout_s
-        info = await self._peer_info(peer, timeout)
-        return await self._shm.peer_bytes(peer, region, offset, length, info,
-                                          lambda: self._peer_info(peer, timeout, refresh=True))
+        for transport in self._transports:
+            data = await transport.read_bytes(peer, remote_region, remote_offset, length, timeout)
+            if data is not None:
+                return data
+        return None
 
-    async def _submit_one(self, op: TransferOp, timeout: float) -> BaseException | None:
-        """A batch of one (every single-object put/get): its error, if any.
-
-        Runs in the caller's task with no per-batch lists; on the tcp backend
-        it goes straight to the connection (a failure to connect is the op's
-        error, as in _submit_peer).
-        """
-        if self.backend == "tcp":
+    async def _carry_one(self, op: TransferOp, timeout: float) -> BaseException | None:
+        """A batch of one (every single-object put/get): its error, if any. Runs in the caller's
+        task with no per-batch lists; a transport's TransferError is the op's error."""
+        for transport in self._transports:
             try:
-                return await run_one_tcp(self._pool(op.peer), self._regions, op, timeout)
+                outcome = await transport.submit_one(op, timeout)
             except TransferError as e:
                 return e
-        results: list[BaseException | None] = [None]
-        await self._submit_peer(op.peer, [0], (op,), timeout, results)
-        return results[0]
+            if outcome is not LEFT:
+                return outcome  # type: ignore[return-value]
+        return _uncarried(op)
 
     async def _submit_peer(
         self,
@@ -277,46 +270,30 @@ class TransferEngine:
         timeout: float,
         results: list[BaseException | None],
     ) -> None:
-        """Run one peer's ops on its path; fill in results, never raise."""
-        ops = [batch[i] for i in idxs]
-        try:
-            if self._rdma is not None:
-                # asked afresh per batch: raw addresses of a region the peer dropped must not be reused
-                info = await self._peer_info(peer, timeout, refresh=True)
-                await self._rdma.submit(peer, ops, info, self._regions, timeout, self.backend)
-                outcomes: list[BaseException | None] = [None] * len(ops)
-            elif self.backend in MOONCAKE_BACKENDS:
-                raise TransferError(f"backend {self.backend!r} is set up by start(); call it before submit()")
-            elif self._shm is not None:
-                info = await self._peer_info(peer, timeout)
-                outcomes, left = await self._shm.run(
-                    peer, ops, info, lambda: self._peer_info(peer, timeout, refresh=True)
-                )
-                if left:
-                    rest = await run_tcp(self._pool(peer), self._regions, [ops[j] for j in left], timeout)
-                    for j, outcome in zip(left, rest, strict=True):
-                        outcomes[j] = outcome
-            else:
-                outcomes = await run_tcp(self._pool(peer), self._regions, ops, timeout)
-        except TransferError as e:
-            outcomes = [e] * len(ops)
-        for i, outcome in zip(idxs, outcomes, strict=True):
-            results[i] = outcome
+        """Run one peer's ops down the chain; fill in results, never raise."""
+        todo = idxs
+        for transport in self._transports:
+            ops = [batch[i] for i in todo]
+            try:
+                outcomes: list[Outcome] = await transport.submit(peer, ops, timeout)
+            except TransferError as e:
+                outcomes = [e] * len(ops)
+            left: list[int] = []
+            for i, outcome in zip(todo, outcomes, strict=True):
+                if outcome is LEFT:
+                    left.append(i)
+                else:
+                    results[i] = outcome  # type: ignore[assignment]
+            if not left:
+                return
+            todo = left
+        for i in todo:
+            results[i] = _uncarried(batch[i])
 
-    def _pool(self, peer: str) -> PeerPool:
-        pool = self._pools.get(peer)
-        if pool is None:
-            pool = PeerPool(peer, self._conns_per_peer, self._connect_timeout_s, self._limiter, self._token,
-                            self._limits.client_idle_s)
-            self._pools[peer] = pool
-        return pool
 
-    async def _peer_info(self, peer: str, timeout: float, refresh: bool = False) -> PeerInfo:
-        """The peer's host and regions, asked over tcp once and cached."""
-        info = self._peer_infos.get(peer)
-        if info is None or refresh:
-            info = self._peer_infos[peer] = await fetch_info(self._pool(peer), timeout)
-        return info
+def _uncarried(op: TransferOp) -> TransferError:
+    """No transport of the chain took the op: a chain whose last transport leaves ops is a bug."""
+    return TransferError(f"no transport of this engine can carry a {op.op} to {op.peer}/{op.remote_region}")
 
 
 def _raise_first(results: list[BaseException | None]) -> None:

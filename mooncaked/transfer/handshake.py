@@ -94,22 +94,58 @@ async def _recv_exactly(sock: socket.socket, n: int, what: str) -> bytes:
     return bytes(buf)
 
 
+class ClientHandshake:
+    """The client's side, without I/O: `answer` the server's challenge, then `check` its proof.
+    Driven by client_handshake (asyncio) and blocking_client_handshake (a blocking socket)."""
+
+    __slots__ = ("_token", "_peer", "_client_nonce", "_server_nonce")
+
+    def __init__(self, token: bytes, peer: str) -> None:
+        self._token = token
+        self._peer = peer
+        self._client_nonce = os.urandom(NONCE_BYTES)
+        self._server_nonce = b""
+
+    def answer(self, challenge: bytes) -> bytes:
+        if challenge[: len(AUTH_MAGIC)] != AUTH_MAGIC:
+            raise HandshakeError(f"{self._peer} did not open with the cluster-secret handshake "
+                                 "(it runs without a cluster secret, or is not a mooncaked data-plane port)")
+        self._server_nonce = challenge[len(AUTH_MAGIC):]
+        return self._client_nonce + client_mac(self._token, self._server_nonce, self._client_nonce)
+
+    def check(self, proof: bytes) -> None:
+        if not hmac.compare_digest(proof, server_mac(self._token, self._client_nonce, self._server_nonce)):
+            raise HandshakeError(f"{self._peer} could not prove the cluster secret: it is not one of ours")
+
+
 async def client_handshake(sock: socket.socket, token: bytes, peer: str) -> None:
     """Prove the secret to the server on `sock` (non-blocking, connected) and check its proof.
 
     The caller bounds it with a timeout and closes the socket on any error.
     """
     loop = asyncio.get_running_loop()
+    client = ClientHandshake(token, peer)
     challenge = await _recv_exactly(sock, CHALLENGE_BYTES, f"{peer} closed the connection before its handshake")
-    if challenge[: len(AUTH_MAGIC)] != AUTH_MAGIC:
-        raise HandshakeError(f"{peer} did not open with the cluster-secret handshake "
-                             "(it runs without a cluster secret, or is not a mooncaked data-plane port)")
-    server_nonce = challenge[len(AUTH_MAGIC):]
-    client_nonce = os.urandom(NONCE_BYTES)
-    await loop.sock_sendall(sock, client_nonce + client_mac(token, server_nonce, client_nonce))
-    proof = await _recv_exactly(sock, PROOF_BYTES, f"{peer} refused our cluster secret (the secrets differ)")
-    if not hmac.compare_digest(proof, server_mac(token, client_nonce, server_nonce)):
-        raise HandshakeError(f"{peer} could not prove the cluster secret: it is not one of ours")
+    await loop.sock_sendall(sock, client.answer(challenge))
+    client.check(await _recv_exactly(sock, PROOF_BYTES, f"{peer} refused our cluster secret (the secrets differ)"))
+
+
+def blocking_client_handshake(sock: socket.socket, token: bytes, peer: str) -> None:
+    """client_handshake on a blocking socket; the caller sets its timeout and closes it on error."""
+    client = ClientHandshake(token, peer)
+    sock.sendall(client.answer(_recv_exactly_blocking(sock, CHALLENGE_BYTES,
+                                                      f"{peer} closed the connection before its handshake")))
+    client.check(_recv_exactly_blocking(sock, PROOF_BYTES, f"{peer} refused our cluster secret (the secrets differ)"))
+
+
+def _recv_exactly_blocking(sock: socket.socket, n: int, what: str) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise HandshakeError(what)
+        buf += chunk
+    return bytes(buf)
 
 
 async def open_socket(host: str, port: int) -> socket.socket:

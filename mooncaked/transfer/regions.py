@@ -98,6 +98,9 @@ class RegionTable:
         check_bounds(where, name, region.info.nbytes, offset, length)
         return region
 
+    def all(self) -> list[Region]:
+        return list(self._regions.values())
+
     def infos(self) -> list[RegionInfo]:
         return [r.info for r in self._regions.values()]
 

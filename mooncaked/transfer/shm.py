@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import stat
 import uuid
 from dataclasses import dataclass
 
@@ -33,24 +32,22 @@ import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
 from mooncaked.transfer.host import host_id  # noqa: F401 - re-exported: peers compare it
+from mooncaked.transfer.shm_files import (  # noqa: F401 - SHM_DIR, SHM_PREFIX re-exported
+    SEGMENT_MODE,
+    SHM_DIR,
+    SHM_PREFIX,
+    check_private,
+    segment_path as _path,
+)
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "mooncaked-"
 PAGE = mmap.PAGESIZE
-SEGMENT_MODE = 0o600
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def _path(shm_name: str) -> str:
-    if "/" in shm_name or not shm_name.startswith(SHM_PREFIX):
-        raise TransferError(f"refusing shm segment name {shm_name!r}: not one of ours")
-    return os.path.join(SHM_DIR, shm_name)
 
 
 _LIVE = b"MCKDLIVE"
@@ -182,18 +179,6 @@ class ShmAttachments:
 
     def close(self) -> None:
         self._maps.clear()
-
-
-def check_private(shm_name: str, st: os.stat_result) -> None:
-    """Refuse a segment that is not a regular file of ours that only we may open."""
-    if not stat.S_ISREG(st.st_mode):
-        raise TransferError(f"refusing shm segment {shm_name}: not a regular file")
-    if st.st_uid != os.geteuid():
-        raise TransferError(f"refusing shm segment {shm_name}: owned by uid {st.st_uid}, not ours "
-                            f"({os.geteuid()}); peers sharing memory must run as one user")
-    if st.st_mode & 0o077:
-        raise TransferError(f"refusing shm segment {shm_name}: mode {stat.S_IMODE(st.st_mode):04o} lets "
-                            f"others open it (segments are {SEGMENT_MODE:04o})")
 
 
 def _gone(shm_name: str) -> PeerUnavailableError:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, PeerUnavailableError, TransferError, TransferOp, parse_address
 from mooncaked.transfer.conn_guard import CLIENT_IDLE_CLOSE_S
 from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 from mooncaked.transfer.ratelimit import TokenBucket
-from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.tcp_client import ClientConnection, WireOp
 from mooncaked.transfer.wire import Op, decode_info
+
+if TYPE_CHECKING:  # regions.py imports torch; the transfer I/O process (io_worker.py) runs without it
+    from mooncaked.transfer.regions import RegionTable
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,65 @@
+"""The tcp transport: ops go to the peer's port over its pool of persistent connections.
+
+Always present in an engine, whatever the backend: besides carrying ops (backends tcp and
+auto), its connections carry the control query (INFO) that the other transports read a peer's
+regions from. The wire work is tcp_pool.py / tcp_client.py; this module only keeps one pool
+per peer and speaks the Transport interface.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mooncaked.transfer.api import PeerInfo, TransferError, TransferOp
+from mooncaked.transfer.ratelimit import TokenBucket
+from mooncaked.transfer.regions import RegionTable
+from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_tcp
+from mooncaked.transfer.transport import Outcome, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class TcpTransport(Transport):
+    """One pool of `conns_per_peer` connections per peer, opened on demand."""
+
+    label = "tcp"
+
+    def __init__(self, regions: RegionTable, conns_per_peer: int, connect_timeout_s: float,
+                 limiter: TokenBucket | None, token: bytes | None, idle_s: float) -> None:
+        self._regions = regions
+        self._conns_per_peer = conns_per_peer
+        self._connect_timeout_s = connect_timeout_s
+        self._limiter = limiter
+        self._token = token
+        self._idle_s = idle_s
+        self._pools: dict[str, PeerPool] = {}
+
+    def pool(self, peer: str) -> PeerPool:
+        pool = self._pools.get(peer)
+        if pool is None:
+            pool = PeerPool(peer, self._conns_per_peer, self._connect_timeout_s, self._limiter, self._token,
+                            self._idle_s)
+            self._pools[peer] = pool
+        return pool
+
+    async def fetch_info(self, peer: str, timeout_s: float) -> PeerInfo:
+        """The control query: who the peer is and which regions it serves."""
+        return await fetch_info(self.pool(peer), timeout_s)
+
+    async def submit(self, peer: str, ops: list[TransferOp], timeout_s: float) -> list[Outcome]:
+        return list(await run_tcp(self.pool(peer), self._regions, ops, timeout_s))
+
+    async def submit_one(self, op: TransferOp, timeout_s: float) -> Outcome:
+        """Straight to a connection, no per-batch lists (a failure to connect is the op's error)."""
+        try:
+            return await run_one_tcp(self.pool(op.peer), self._regions, op, timeout_s)
+        except TransferError as e:
+            return e
+
+    def outgoing_connections(self) -> dict[str, int]:
+        return {p: len(pool.conns) for p, pool in self._pools.items()}
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
