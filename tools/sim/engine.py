@@ -9,6 +9,7 @@ sequence to D, or count the rejection.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import random
@@ -160,9 +161,13 @@ class Simulation:
             self._d[decision.decode].incoming[req.index] = SeqLoad(req.input_length + 1, req.output_length - 1,
                                                                    now + decision.predicted_ttft_s)
         p = self._p[decision.prefill]
-        job = Job(req, decision, now)
         helpers = [self._p[h] for h in decision.helpers] if isinstance(decision, ElasticDecision) else []
-        helpers = [h for h in helpers if h.idle] if p.idle else []  # the books may be behind: only idle ones
+        if helpers and not (p.idle and all(h.idle for h in helpers)):
+            # the books were behind (a prefill overran its prediction): no pipeline, and the prompt is
+            # booked for what it will take alone, so the next decisions see the queue it makes
+            decision = dataclasses.replace(decision, helpers=(), predicted_prefill_s=decision.alone_prefill_s)
+            helpers = []
+        job = Job(req, decision, now)
         if helpers:
             job.pipeline = PipelineShape.for_profile(self.profile, 1 + len(helpers), decision.chunk_tokens)
             job.stage_speeds = tuple(h.speed for h in helpers)
