@@ -2,7 +2,7 @@
 prefix from P1" gets those blocks straight out of P1's KV cache over the transfer engine (P1 lends
 them), computes only the rest, and answers the tokens of a cold run. A lender that vanishes
 mid-plan leaves the blocks to be computed, counted as a deviation; a replicated hot prefix is held
-in the pool with a soft pin. In-process instances (inproc_cluster.py): real engines, real transfer
+in the pool with a soft pin, a pulled prefix that is not hot is not copied there. In-process instances (inproc_cluster.py): real engines, real transfer
 on loopback, the conductor's core without gRPC. test_plan_processes.py does (a) with processes.
 """
 
@@ -17,7 +17,9 @@ import store_helpers
 from inproc_cluster import BLOCK, KV_BYTES, Cluster, Unreachable
 from mooncaked.conductor.core import GenerateSpec
 from mooncaked.conductor.engine_link import PrefillPlan
-from mooncaked.conductor.router import Route
+from mooncaked.conductor.policies import make_policy
+from mooncaked.conductor.prefix_demand import DEMAND_WINDOW_S, PrefixDemand
+from mooncaked.conductor.router import Route, cluster_view
 from mooncaked.conductor.views import Decision
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.hashing import block_hashes
@@ -164,7 +166,15 @@ async def test_a_lender_that_disappears_mid_plan_leaves_the_blocks_computed_and_
     await _wait_for(lambda: bm.num_free_blocks == bm.num_blocks)
 
 
-async def test_a_replicated_hot_prefix_is_held_in_the_pool_with_a_soft_pin(cluster, cold):
+@pytest.mark.parametrize("policy, window_s, hot", [
+    ("mooncake", DEMAND_WINDOW_S, True),  # Algorithm 1's balancing path: every pull it makes replicates
+    ("mooncaked", DEMAND_WINDOW_S, True),  # the first request asked for the prefix within the window: hot
+    ("mooncaked", 0.0, False),  # it asked longer ago than the window (0 s here): pulled, not hot
+])
+async def test_a_hot_prefix_is_replicated_into_the_pool_with_a_soft_pin_and_a_cold_one_is_not(
+        folder, cold, policy, window_s, hot):
+    cluster = Cluster(folder, make_policy(policy))
+    cluster.conductor.scheduler.demand = PrefixDemand(window_s=window_s)
     runner, master = await store_helpers.start()
     store = await store_helpers.client(master, "p2", dram_bytes=4 << 20)
     try:
@@ -172,15 +182,24 @@ async def test_a_replicated_hot_prefix_is_held_in_the_pool_with_a_soft_pin(clust
         p2 = await cluster.serve("p2", "prefill", store=store)
         await cluster.serve("d1", "decode")
         await _p1_holds_the_prompt(cluster, cold)
+        hashes = block_hashes(PROMPT, BLOCK, 0)
+        view = cluster_view(cluster.conductor.registry, cluster.conductor.index, hashes, cluster.conductor.scheduler)
+        assert view.pool_demand == (1 if window_s else 0)  # the request P1 computed it for
         chunks, tokens = await _generate(cluster)
         assert tokens == cold(6) and chunks[0].prefill_instance == "p2"
         plan, result = p2.plans[-1], p2.results[-1]
-        assert plan.replicate and plan.pull_from == "p1"  # Algorithm 1's balancing path: a pull replicates
-        assert result.pulled_from == "p1" and result.replicated and p1.calls["lend"] == 1
-        keys = [f"{cluster.folder.name}/{h}" for h in block_hashes(PROMPT, BLOCK, 0)]
+        assert plan.pull_from == "p1" and plan.pull_blocks == FULL and plan.replicate == hot
+        assert result.pulled_from == "p1" and result.pulled_blocks == FULL and p1.calls["lend"] == 1
+        assert result.replicated == hot
+        # P2's writes to the pool were started before its prefill answered: once they end, the pool shows them
+        await asyncio.gather(*(t for t in asyncio.all_tasks() if t.get_name().startswith("pool-")))
+        keys = [f"{cluster.folder.name}/{h}" for h in hashes]
         objects = runner.master.objects
-        await _wait_for(lambda: all(k in objects and objects[k].committed for k in keys))
-        assert all(objects[k].soft_pin for k in keys)  # the prefix copied P1 -> P2, held in the pool
+        if hot:  # the prefix copied P1 -> P2, held in the pool
+            assert all(k in objects and objects[k].committed and objects[k].soft_pin for k in keys)
+        else:  # used for this request only: not copied into the pool, nothing pinned
+            assert not any(k in objects for k in keys)
     finally:
         await store.close()
         await runner.stop()
+        await cluster.close()

@@ -15,7 +15,8 @@ import pytest
 from mooncaked.conductor.cost_model import (A800_LLAMA2_70B, GENERIC, DecodeTimeModel, PrefillBacklog,
                                             PrefillTimeModel, Profile)
 from mooncaked.conductor.early_rejection import SLO, forecast_decode
-from mooncaked.conductor.policies import POLICY_NAMES, make_policy
+from mooncaked.conductor.policies import HOT_MIN_DEMAND, POLICY_NAMES, make_policy
+from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
 
@@ -40,8 +41,8 @@ def decode(name: str, batch: tuple[SeqLoad, ...] = (), total_blocks: int = 10_00
                         free_kv_blocks=total_blocks)
 
 
-def cluster(prefills, decodes=None, source: str | None = None) -> ClusterView:
-    return ClusterView(0.0, tuple(prefills), tuple(decodes or [decode("d0"), decode("d1")]), source)
+def cluster(prefills, decodes=None, source: str | None = None, demand: int = 0) -> ClusterView:
+    return ClusterView(0.0, tuple(prefills), tuple(decodes or [decode("d0"), decode("d1")]), source, demand)
 
 
 # -- every policy ----------------------------------------------------------------------------------
@@ -96,9 +97,10 @@ def test_load_balance_ignores_the_cache():
 
 
 # -- hot prefix on a loaded instance ------------------------------------------------------------------
-def hot_spot(holder_queue_s: float) -> ClusterView:
+def hot_spot(holder_queue_s: float, demand: int = HOT_MIN_DEMAND) -> ClusterView:
+    """``demand``: requests routed lately whose prompts held the holder's 40 blocks."""
     return cluster([prefill("holder", own=40, queued_s=holder_queue_s), prefill("idle", pool=40),
-                    prefill("busy", pool=40, queued_s=30.0)], source="holder")
+                    prefill("busy", pool=40, queued_s=30.0)], source="holder", demand=demand)
 
 
 @pytest.mark.parametrize("name", ["mooncake", "mooncaked"])
@@ -109,6 +111,19 @@ def test_hot_prefix_on_loaded_holder_is_replicated_elsewhere(name):
     assert d.reuse_blocks == 40 and d.local_blocks == 0
     assert d.pull_from == "holder" and d.replicate
     assert d.predicted_ttft_s < 20.0
+
+
+def test_mooncaked_pulls_a_prefix_too_few_asked_for_lately_but_does_not_replicate_it():
+    """The same pull, but fewer other requests held the prefix lately: used for this request, not kept."""
+    d = make_policy("mooncaked").decide(request(), hot_spot(20.0, demand=HOT_MIN_DEMAND - 1))
+    assert d.prefill == "idle" and d.reuse_blocks == 40 and d.pull_from == "holder"
+    assert not d.replicate
+
+
+def test_mooncake_replicates_every_pull_its_balancing_threshold_allows_whatever_the_demand():
+    """Algorithm 1 pulls only on its kvcache_balancing_threshold path, which is its hot-spot replication."""
+    d = make_policy("mooncake").decide(request(), hot_spot(20.0, demand=0))
+    assert d.pull_from == "holder" and d.replicate
 
 
 @pytest.mark.parametrize("name", ["cache_aware_local", "mooncake", "mooncaked"])
@@ -428,3 +443,26 @@ def test_live_pick_with_state_routes_books_and_rejects():
     assert e.value.reason == "ttft_slo"
     with pytest.raises(NoInstanceError, match="prefill"):
         pick(reg, idx, [1, 2], 10, {"p0", "p1"}, state=state)
+
+
+# -- how hot a prefix is (PrefixDemand) ----------------------------------------------------------------
+def test_demand_counts_recent_requests_that_held_the_whole_run_once_each():
+    demand = PrefixDemand(window_s=60.0)
+    demand.routed("a", (1, 2, 3), 0.0)
+    demand.routed("a", (1, 2, 3), 1.0)  # a retry of the same request counts once
+    demand.routed("b", (1, 2, 9), 10.0)  # shares the first two blocks only (chained hashes)
+    assert [demand.count((1, 2, 3), n, 20.0) for n in (0, 1, 2, 3)] == [0, 2, 2, 1]
+    assert demand.count((1, 2, 3), 4, 20.0) == 0  # more blocks than the prompt has
+    assert demand.count((1, 2, 3), 2, 65.0) == 1  # "a" has left the window, "b" not yet
+    assert demand.count((1, 2, 3), 2, 71.0) == 0
+
+
+def test_demand_forgets_blocks_nobody_asked_for_within_the_window_and_saturates():
+    demand = PrefixDemand(window_s=10.0, keep=2)
+    for i in range(5):
+        demand.routed(f"r{i}", (7,), float(i))
+    assert demand.count((7,), 1, 5.0) == 2  # at most ``keep`` remembered: enough to tell hot from not
+    demand.routed("late", (8,), 100.0)  # sweeps
+    assert set(demand._seen) == {8}
+    with pytest.raises(ValueError):
+        PrefixDemand(window_s=-1.0)

@@ -108,6 +108,51 @@ def test_simulator_is_importable_without_torch_side_effects():
     assert out.split() == ["False", "False"]
 
 
+@pytest.mark.parametrize("replicate", [True, False])
+def test_a_simulated_prefill_keeps_pulled_blocks_only_when_told_to_replicate(replicate):
+    """As live: a hot prefix pulled from its holder stays on the puller (a replica the index sees);
+    a pulled prefix that is not hot serves this request and is not kept."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import random
+
+    from mooncaked.conductor.cost_model import A800_LLAMA2_70B as prof
+    from mooncaked.conductor.prefix_index import PrefixIndex
+    from mooncaked.conductor.views import Decision
+    from sim.instances import Job, SimPrefill
+    from sim.trace import TraceRequest
+
+    index = PrefixIndex()
+    index.stored("holder", list(range(40)))
+    puller = SimPrefill("puller", prof, prof.instance_model(), index, 1.0, 1000, 0.0, random.Random(0))
+    req = TraceRequest(0, 0.0, 42 * prof.block_size, 2, tuple(range(42)))
+    done = puller.enqueue(Job(req, Decision("puller", "d0", 40, 0, "holder", replicate), 0.0), 0.0)
+    job = puller.complete(done)
+    assert job.pulled_blocks == 40 and job.computed_tokens == 2 * prof.block_size
+    kept = index.lookup(list(range(42))).holders.get("puller", 0)
+    assert puller.own_run(req.hash_ids) == kept == (42 if replicate else 0)
+    assert puller.own_run(req.hash_ids[40:]) == 2  # the blocks it computed are its own either way
+
+
+def test_the_simulator_counts_prefix_demand_as_the_live_router_does(simulate):
+    """Requests routed within the window whose prompts held the pool's run (here: all three)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from mooncaked.conductor.cost_model import A800_LLAMA2_70B as prof
+    from mooncaked.conductor.policies import make_policy
+    from mooncaked.conductor.prefix_demand import DEMAND_WINDOW_S
+    from sim.engine import SimConfig, Simulation
+    from sim.trace import TraceRequest
+
+    prefix = tuple(range(20))
+    trace = [TraceRequest(i, 10.0 * i, 21 * prof.block_size, 2, prefix + (100 + i,)) for i in range(3)]
+    sim = Simulation(trace, SimConfig(prefill=2, decode=1, profile=prof), make_policy("mooncaked"))
+    sim.run()
+    follow = TraceRequest(3, 40.0, 21 * prof.block_size, 2, prefix + (200,))
+    view = sim._cluster(40.0, follow)
+    assert max(p.pool_blocks for p in view.prefills) == 20 and view.pool_demand == 3
+    later = 20.0 + DEMAND_WINDOW_S + 1.0
+    assert sim._cluster(later, follow).pool_demand == 0  # all asked longer ago than the window
+
+
 def test_mooncaked_beats_mooncake_on_the_held_out_half(simulate, tmp_path, capsys):
     """Beyond Algorithm 1, in simulation: the second half of the bundled trace, 16 prefill + 16 decode,
     the built-in profile, seeds 0-3. mooncaked has no parameter to tune; its one addition that

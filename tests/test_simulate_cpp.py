@@ -182,6 +182,60 @@ def test_elastic_pipelines_a_long_prompt_over_idle_singles_in_the_simulator():
     assert result.served == 2 and result.prefill_tokens_computed == 80 * 512 + 1000
 
 
+def test_elastic_gives_a_prompt_that_misses_the_slo_alone_a_pipeline_from_an_idle_machine():
+    """128k tokens take ~39 s on one machine, past the 30 s TTFT SLO. The machine mooncaked picks (the
+    fastest, 0.5 s behind) is busy, so elastic CPP would not start there; the prompt leads its
+    pipeline from an idle one instead and meets the SLO."""
+    import dataclasses
+
+    from mooncaked.conductor.early_rejection import SLO
+    from mooncaked.conductor.views import ClusterView, InstanceView, RequestView
+    from sim.elastic import ElasticDecision, make_sim_policy
+
+    blocks = 250
+    req = RequestView(blocks * PROF.block_size, tuple(range(blocks)), PROF.block_size, 10)
+    fast = dataclasses.replace(PROF, prefill_coef=tuple(0.9 * c for c in PROF.prefill_coef))
+    busy = InstanceView("prefill-0", "prefill", fast.instance_model(), queued_s=0.5)
+    idle = tuple(InstanceView(f"prefill-{i}", "prefill", PROF.instance_model()) for i in range(1, 5))
+    dec = InstanceView("decode-0", "decode", PROF.instance_model(), total_kv_blocks=10_000, free_kv_blocks=10_000)
+    view = ClusterView(0.0, (busy, *idle), (dec,))
+    plain = make_sim_policy("mooncaked", PROF, chunk_tokens=4096, slo=SLO()).decide(req, view)
+    assert plain.prefill == "prefill-0" and plain.predicted_ttft_s > SLO().ttft_s
+    d = make_sim_policy("mooncaked_elastic", PROF, chunk_tokens=4096, slo=SLO()).decide(req, view)
+    assert isinstance(d, ElasticDecision) and d.prefill != "prefill-0" and "prefill-0" not in d.helpers
+    assert len(d.helpers) == 3 and d.predicted_ttft_s < SLO().ttft_s
+    assert d.alone_prefill_s > SLO().ttft_s  # what it is booked for should its helpers turn out busy
+
+
+def test_a_pipeline_whose_machines_turn_out_busy_runs_alone_and_is_booked_for_that():
+    """The books are behind when a prefill overruns its prediction: prefill-1 looks idle while it still
+    computes. A pipeline planned over it is not formed; the prompt runs alone on its lead and the
+    lead's queue says so, or the next prompts would be sent behind it on a wrong estimate."""
+    from mooncaked.conductor.early_rejection import SLO
+    from mooncaked.conductor.views import Decision
+    from sim.elastic import ElasticDecision, make_sim_policy
+    from sim.engine import SimConfig, Simulation
+    from sim.instances import Job
+    from sim.trace import TraceRequest
+
+    req = TraceRequest(0, 1.0, 80 * 512, 2, tuple(range(80)))
+    cfg = SimConfig(prefill=2, decode=1, profile=PROF, noise=0.0, heterogeneity=0.0)
+    policy = make_sim_policy("mooncaked_elastic", PROF, chunk_tokens=4096, slo=SLO())
+    sim = Simulation([req], cfg, policy)
+    other = TraceRequest(9, 0.0, 80 * 512, 2, tuple(range(1000, 1080)))
+    sim._p["prefill-1"].enqueue(Job(other, Decision("prefill-1", "decode-0", 0, 0, predicted_prefill_s=1e-3), 0.0), 0.0)
+    decided = []
+    decide = policy.decide
+    policy.decide = lambda r, c: decided.append(decide(r, c)) or decided[-1]
+    started = sim._arrive(req, 1.0)
+    (d,) = decided
+    assert isinstance(d, ElasticDecision) and d.prefill == "prefill-0" and d.helpers == ("prefill-1",)
+    assert [name for name, _ in started] == ["prefill-0"]  # no machine lent
+    lead = sim._p["prefill-0"]
+    assert lead.running.pipeline is None and lead.running.decision.predicted_prefill_s == d.alone_prefill_s
+    assert lead.backlog.seconds(1.0) == pytest.approx(d.alone_prefill_s) and d.alone_prefill_s > d.predicted_prefill_s
+
+
 # -- the held-out half of the bundled trace ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def second_half(tmp_path_factory) -> Path:
@@ -213,9 +267,10 @@ def test_static_groups_mooncaked_beats_mooncake_on_the_held_out_half(second_half
 
 def test_elastic_cpp_reaches_0_9x_mooncake_on_the_held_out_half(second_half, capsys):
     """16 single prefill machines, seeds 0-3: mooncaked_elastic pipelines long prompts over idle ones
-    (simulation only: the live system has static groups). Mean TTFT x0.742 when written; SLO
-    attainment 99.82 % against 99.85 % (one early rejection and about one late prompt more in
-    4 x 1997 requests, while machines are lent), so it is held to within 0.05 points, not "no worse"."""
+    (simulation only: the live system has static groups). Mean TTFT x0.732 when written (its rules
+    chosen on the first half, this half run once); SLO attainment 99.825 % against 99.850 % (one
+    request more in 4 x 1997, around two 191k-token prompts), so it is held to within 0.05 points,
+    not "no worse": docs/performance.md, "Elastic CPP and the SLO"."""
     rows = _held_out(second_half, capsys, "--policy", "mooncake", "mooncaked_elastic")
     ours, theirs = rows["mooncaked_elastic"], rows["mooncake"]
     assert ours["mean_ttft_s"] <= 0.9 * theirs["mean_ttft_s"], (ours["mean_ttft_s"], theirs["mean_ttft_s"])

@@ -14,9 +14,10 @@ One object per policy, chosen by name; the live conductor and the simulator call
   SLO-aware decode choice and prediction-based early rejection;
 - ``mooncaked`` (ours): as ``mooncake``, but it also counts prefixes still being computed
   (queueing behind one can beat recomputing it), each instance pulls exactly when
-  pulling is predicted faster than recomputing (no length-ratio heuristic to tune), and a
-  chunked pipeline group (several machines as one unit) is used only when it earns its
-  machines (``pick_fewest_machines``).
+  pulling is predicted faster than recomputing (no length-ratio heuristic to tune), a pulled
+  prefix is replicated only when it is hot (other requests held it lately), and a chunked
+  pipeline group (several machines as one unit) is used only when it earns its machines
+  (``pick_fewest_machines``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ DEFAULT_BALANCING_THRESHOLD = 1.25
 # this factor over the best unit of fewer (chosen on the first half of the bundled trace; 0.2-0.4
 # alike; docs/performance.md, "Beyond Algorithm 1")
 GROUP_MIN_GAIN = 0.3
+# mooncaked replicates a pulled prefix only when at least this many requests routed within
+# prefix_demand's window held the whole pulled run (the prefix is hot; docs/performance.md, "Beyond
+# Algorithm 1")
+HOT_MIN_DEMAND = 1
 
 
 @dataclass(frozen=True)
@@ -118,12 +123,18 @@ class Policy(ABC):
         return Decision(
             prefill=est.instance.name, decode=dec.name, reuse_blocks=est.reuse_blocks,
             local_blocks=est.local_blocks, pull_from=source if pulled else None,
-            replicate=pulled > 0, predicted_ttft_s=est.ttft_s,
+            replicate=pulled > 0 and self.hot(est, cluster), predicted_ttft_s=est.ttft_s,
             predicted_tbt_s=dec.tbt_s, predicted_prefill_s=est.service_s)
 
     @abstractmethod
     def choose_prefill(self, request: RequestView, cluster: ClusterView,
                        prefills: list[InstanceView]) -> PrefillEstimate: ...
+
+    def hot(self, est: PrefillEstimate, cluster: ClusterView) -> bool:
+        """Whether the prefix ``est`` pulls is hot, to be replicated (kept by the instance and soft-pinned
+        in the pool); asked only of a pull. Algorithm 1 pulls only on its ``kvcache_balancing_threshold``
+        path, which is its hot-spot replication: every pull of a policy that pulls that way is hot."""
+        return True
 
     def choose_decode(self, request: RequestView, cluster: ClusterView, reach_s: float) -> DecodeForecast | Rejection:
         return pick_decode(cluster.decodes, request, cluster.now_s, reach_s,
@@ -211,7 +222,9 @@ class MooncakedPolicy(Policy):
       exactly when ``T_transfer + T_prefill`` with it beats ``T_prefill`` from what it holds.
       A length ratio cannot see the link: it refuses 20 more blocks on top of 100 held
       (1.2x) even when they save seconds of compute, and over a slow link or from a disk
-      tier it pulls where recomputing is faster. There is no threshold to tune.
+      tier it pulls where recomputing is faster. There is no threshold to tune. Since a pull
+      here is no sign of a hot prefix, it replicates only a prefix other requests routed
+      lately also held (``hot``, ``prefix_demand.py``).
     - **Groups for the prompts they speed up.** With CPP groups in the cluster, Algorithm 1
       sends a prompt to a group whenever the group is predicted a little faster, and a
       short or mostly cached prompt then holds S machines that the long prompt arriving
@@ -230,6 +243,11 @@ class MooncakedPolicy(Policy):
 
     def choose_prefill(self, request, cluster, prefills):
         return pick_fewest_machines(self.estimates(request, prefills))
+
+    def hot(self, est: PrefillEstimate, cluster: ClusterView) -> bool:
+        """A pull here is decided by time, not by Algorithm 1's balancing ratio, so a pull alone does not
+        make a prefix hot: it is hot when other requests routed lately held the whole pulled run."""
+        return cluster.pool_demand >= HOT_MIN_DEMAND
 
     @staticmethod
     def estimates(request: RequestView, prefills: list[InstanceView]) -> list[PrefillEstimate]:

@@ -22,6 +22,7 @@ from mooncaked.conductor.cost_model import GENERIC, InstanceModel, PrefillBacklo
 from mooncaked.conductor.engine_link import DEAD, POOL, PrefillPlan
 from mooncaked.conductor.errors import NoInstance, Rejected
 from mooncaked.conductor.policies import CacheAwareLocalPolicy, Policy
+from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model
 from mooncaked.conductor.registry import Instance, PipelineMember, Registry
@@ -137,7 +138,8 @@ class SchedulerState:
     seen finish (``T_queue``, current between heartbeats); ``pending`` the prompt blocks of those
     prefills, until the instance's KV events report them cached; the decode ledger is each decode
     instance's sequences with their estimated remaining tokens (``max_tokens`` minus what
-    was streamed). Call ``routed`` after a successful ``pick``, ``prefill_done`` when the
+    was streamed); ``demand`` the routed requests per prefix lately (what makes a prefix hot). Call
+    ``routed`` after a successful ``pick``, ``prefill_done`` when the
     Prefill RPC returns (or fails), ``heard`` on each heartbeat, ``tokens`` as tokens are
     relayed, ``finished`` at the end.
     """
@@ -149,6 +151,7 @@ class SchedulerState:
     backlogs: dict[str, PrefillBacklog] = field(default_factory=dict)
     seqs: dict[str, _Seq] = field(default_factory=dict)
     pending: dict[str, PendingBlocks] = field(default_factory=dict)
+    demand: PrefixDemand = field(default_factory=PrefixDemand)
 
     def model(self, name: str, pipeline: PipelineMember | None = None) -> InstanceModel:
         """An instance's fitted time model; a CPP group's head gets one of the whole pipeline (fill and
@@ -191,6 +194,7 @@ class SchedulerState:
         self.backlog(route.prefill.name).add(request_id, predicted, prompt_len)
         if hashes:
             self.pending.setdefault(route.prefill.name, PendingBlocks()).add(request_id, tuple(hashes))
+            self.demand.routed(request_id, hashes, self.clock())
         joins = self.clock() + (d.predicted_ttft_s if d else 0.0)
         self.seqs[request_id] = _Seq(route.decode.name, prompt_len + 1, max(max_tokens - 1, 0), joins)
 
@@ -275,7 +279,8 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
     decodes = [InstanceView(d.name, "decode", state.model(d.name), batch=_decode_batch(d, by_decode.get(d.name, []), now),
                             free_kv_blocks=d.load.free_kv_blocks, total_kv_blocks=d.load.total_kv_blocks)
                for d in registry.available("decode") if d.name not in exclude]
-    return ClusterView(now, tuple(prefills), tuple(decodes), look.pool_source)
+    return ClusterView(now, tuple(prefills), tuple(decodes), look.pool_source,
+                       state.demand.count(hashes, look.pool_blocks, now))
 
 
 def pick(registry: Registry, index: PrefixIndex, hashes: list[int], prompt_len: int,

@@ -79,12 +79,17 @@ class InstanceView:
 
 @dataclass(frozen=True)
 class ClusterView:
-    """Every candidate instance, and where the pool's longest copy of the prompt's prefix is."""
+    """Every candidate instance, where the pool's longest copy of the prompt's prefix is, and how hot it is.
+
+    ``pool_demand``: requests routed lately (``prefix_demand.PrefixDemand``'s window, this one not
+    counted) whose prompts held the whole of that longest run; 0 when the caller does not count.
+    """
 
     now_s: float
     prefills: tuple[InstanceView, ...]
     decodes: tuple[InstanceView, ...]
     pool_source: str | None = None  # holder with the longest own run of the prompt's blocks
+    pool_demand: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,9 @@ class Decision:
     ``reuse_blocks`` leading blocks are not recomputed: ``local_blocks`` of them are already
     in the prefill instance's cache, the rest are pulled from ``pull_from`` (a holder name, e.g.
     "store" for the Mooncake Store pool; "pool" when no other single holder has the whole run)
-    before the prefill. ``replicate`` asks the prefill instance to keep
-    the pulled blocks in its own cache, which is how a hot prefix spreads off a loaded holder.
+    before the prefill. ``replicate`` (the prefix is hot) asks the prefill instance to keep the
+    pulled blocks in its own cache and hold them in the pool with a soft pin, which is how a hot
+    prefix spreads off a loaded holder; without it the pulled blocks serve this request only.
     """
 
     prefill: str

@@ -151,16 +151,18 @@ class Prefiller:
 
     def _write_back(self, prompt: list[int], block_table: list[int], prepared: Prepared,
                     plan: PrefillPlan | None) -> bool:
-        """New full blocks to the pool (those that came from it are there); a replicated prefix with a
-        soft pin. Whether it was replicated."""
+        """New full blocks to the pool; a replicated (hot) prefix with a soft pin. Blocks that came from
+        the pool are there; blocks pulled from a peer for a prefix that is not hot stay the holder's
+        (not copied). Whether it was replicated."""
         pool = self.worker.pool
         if pool is None:
             return False
-        from_pool = len(prepared.imported) if prepared.pulled_from == POOL else 0
         replicate = plan is not None and plan.replicate and prepared.pulled_blocks > 0
+        from_pool = prepared.pulled_from == POOL
+        skip = len(prepared.imported) if from_pool or (prepared.pulled_blocks and not replicate) else 0
         pinned = len(prepared.imported) if replicate else 0
-        pool.write_back(prompt, block_table, from_pool, pinned)
-        return replicate and pinned > from_pool
+        pool.write_back(prompt, block_table, skip, pinned)
+        return replicate and pinned > skip
 
     def _result(self, out: Output, prompt: list[int], params: SamplingParams, push: KVPush, prepared: Prepared,
                 replicated: bool) -> PrefillResult:

@@ -6,7 +6,9 @@ a decision, the instance ``mooncaked`` chose may borrow k other prefill instance
 idle (nothing queued or running by the conductor's own books) as stages 2..k+1 of a
 chunked pipeline for this prompt; they are busy until it finishes, and its blocks are
 cached on the chosen instance (the borrowed stages send their layers' share back with the
-push to decode, after the first token, so it costs no TTFT here).
+push to decode, after the first token, so it costs no TTFT here). A pipeline whose machines are
+not all idle when it is routed (the books were behind) is not formed: the prompt runs alone and
+is booked for that (``ElasticDecision.alone_prefill_s``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ DEFAULT_MAX_STAGES = 8
 
 @dataclass(frozen=True)
 class ElasticDecision(Decision):
-    """A ``Decision`` whose prefill also runs on ``helpers``, in stage order after ``prefill``."""
+    """A ``Decision`` whose prefill also runs on ``helpers``, in stage order after ``prefill``;
+    ``alone_prefill_s``: its predicted prefill on ``prefill`` alone (should the helpers be busy)."""
 
     helpers: tuple[str, ...] = ()
     chunk_tokens: int = 0
+    alone_prefill_s: float = 0.0
 
 
 class ElasticMooncakedPolicy(MooncakedPolicy):
@@ -47,6 +51,12 @@ class ElasticMooncakedPolicy(MooncakedPolicy):
     (Growing one stage at a time stops at 3-4 stages, where one more gains < 1.3x: first half
     of the bundled trace, 16 singles, seeds 0-3: 1.084 s against 0.996 s doubling; 4 stages
     at most 0.988 s, 16 at most 1.021 s.)
+
+    A prompt that misses the TTFT SLO on any one machine (the 100k+ token prompts, ~40 s alone)
+    is the one a pipeline rescues, so when the machine chosen for it is busy it leads its pipeline
+    from the best idle one instead. (A reserve of idle machines kept for such prompts was tried
+    and not chosen: keeping 0, 1, 2, 4 or 8 back, first half, seeds 0-9, the SLO misses were noise
+    and 0 the fastest; docs/performance.md, "Beyond Algorithm 1".)
     """
 
     name = ELASTIC_POLICY
@@ -59,14 +69,24 @@ class ElasticMooncakedPolicy(MooncakedPolicy):
             raise ValueError("max_stages must be at least 1")
         self.shape_for = shape_for
         self.max_stages = max_stages
-        self._helpers: tuple[str, tuple[str, ...], int] = ("", (), 0)
+        self._helpers: tuple[str, tuple[str, ...], int, float] = ("", (), 0, 0.0)
 
     def choose_prefill(self, request: RequestView, cluster: ClusterView,
                        prefills: list[InstanceView]) -> PrefillEstimate:
-        self._helpers = ("", (), 0)
-        est = pick_fewest_machines(self.estimates(request, prefills))
+        self._helpers = ("", (), 0, 0.0)
+        choices = self.estimates(request, prefills)
+        est = pick_fewest_machines(choices)
+        if self.max_stages < 2:
+            return est
+        # a prompt that misses its TTFT SLO on any one machine may lead its pipeline from an idle
+        # machine other than the one chosen
+        chosen = est
+        critical = self.enforce_slo and est.ttft_s > self.slo.ttft_s
+        if est.instance.queued_s > 0 and critical:
+            est = min((e for e in choices if e.instance.pipeline_stages == 1 and e.instance.queued_s <= 0),
+                      key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name), default=est)
         lead = est.instance
-        if lead.pipeline_stages != 1 or lead.queued_s > 0 or self.max_stages < 2:
+        if lead.pipeline_stages != 1 or lead.queued_s > 0:
             return est
         probe = min(request.prompt_len, self.shape_for(2).chunk_tokens)
         idle = sorted((p for p in prefills if p is not lead and p.pipeline_stages == 1 and p.queued_s <= 0),
@@ -85,17 +105,19 @@ class ElasticMooncakedPolicy(MooncakedPolicy):
             if cand.ttft_s * (1 + GROUP_MIN_GAIN) > best.ttft_s:
                 break
             best, helpers = cand, tuple(p.name for p in idle[:k])
+        if best.ttft_s >= chosen.ttft_s:
+            return chosen
         if helpers:
-            self._helpers = (lead.name, helpers, self.shape_for(2).chunk_tokens)
+            self._helpers = (lead.name, helpers, self.shape_for(2).chunk_tokens, est.service_s)
         return best
 
     def decide(self, request: RequestView, cluster: ClusterView) -> Decision | Rejection:
         decision = super().decide(request, cluster)
-        lead, helpers, chunk = self._helpers
+        lead, helpers, chunk, alone_s = self._helpers
         if not isinstance(decision, Decision) or not helpers or decision.prefill != lead:
             return decision
         fields = {f.name: getattr(decision, f.name) for f in dataclasses.fields(Decision)}
-        return ElasticDecision(**fields, helpers=helpers, chunk_tokens=chunk)
+        return ElasticDecision(**fields, helpers=helpers, chunk_tokens=chunk, alone_prefill_s=alone_s)
 
 
 

@@ -9,6 +9,7 @@ sequence to D, or count the rejection.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import random
@@ -19,6 +20,7 @@ from mooncaked.conductor.cost_model import Profile
 from mooncaked.conductor.early_rejection import SLO
 from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model
 from mooncaked.conductor.policies import Policy
+from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
 
@@ -69,6 +71,7 @@ class Simulation:
         rng = random.Random(cfg.seed)  # the same cluster (speeds, jitter) for every policy
         h = cfg.heterogeneity
         self.index = PrefixIndex(max_entries=4_000_000)
+        self.demand = PrefixDemand()  # as the live conductor's SchedulerState counts routed requests
         machines = [(rng.uniform(1 - h, 1 + h), random.Random(rng.random())) for _ in range(cfg.prefill)]
         self.prefills = self._prefill_units(machines)
         self.decodes = [SimDecode(f"decode-{i}", prof, prof.instance_model(), rng.uniform(1 - h, 1 + h),
@@ -115,7 +118,8 @@ class Simulation:
             cap = d.capacity_tokens // bs
             decodes.append(InstanceView(d.name, "decode", d.model, batch=d.loads(),
                                         free_kv_blocks=max(0, cap - d.reserved // bs), total_kv_blocks=cap))
-        return ClusterView(now, prefills, tuple(decodes), look.pool_source)
+        return ClusterView(now, prefills, tuple(decodes), look.pool_source,
+                           self.demand.count(req.hash_ids, look.pool_blocks, now))
 
     # -- events -------------------------------------------------------------------------------
     def run(self) -> PolicyResult:
@@ -152,13 +156,18 @@ class Simulation:
             out.rejected = decision.reason
             return []
         out.prefill, out.decode = decision.prefill, decision.decode
+        self.demand.routed(str(req.index), req.hash_ids, now)
         if req.output_length > 1:
             self._d[decision.decode].incoming[req.index] = SeqLoad(req.input_length + 1, req.output_length - 1,
                                                                    now + decision.predicted_ttft_s)
         p = self._p[decision.prefill]
-        job = Job(req, decision, now)
         helpers = [self._p[h] for h in decision.helpers] if isinstance(decision, ElasticDecision) else []
-        helpers = [h for h in helpers if h.idle] if p.idle else []  # the books may be behind: only idle ones
+        if helpers and not (p.idle and all(h.idle for h in helpers)):
+            # the books were behind (a prefill overran its prediction): no pipeline, and the prompt is
+            # booked for what it will take alone, so the next decisions see the queue it makes
+            decision = dataclasses.replace(decision, helpers=(), predicted_prefill_s=decision.alone_prefill_s)
+            helpers = []
+        job = Job(req, decision, now)
         if helpers:
             job.pipeline = PipelineShape.for_profile(self.profile, 1 + len(helpers), decision.chunk_tokens)
             job.stage_speeds = tuple(h.speed for h in helpers)
