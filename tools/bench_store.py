@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--scale: keys per metadata batch, default 64)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
     p.add_argument("--token", action="store_true", help="our processes share a (random) cluster secret")
+    p.add_argument("--only", default="", help="comma-separated systems to run (of ours, ours_shm, ours_grpc, "
+                   "mooncake; default all): for quick comparisons while working")
     p.add_argument("--scale", action="store_true", help="the master at scale: 1,000,000 objects (--quick: 100,000) "
                    "on --segments segments, metadata only, ours and mooncake_master")
     p.add_argument("--segments", type=int, default=64, help="--scale: segments mounted (one per simulated engine)")
@@ -398,9 +400,15 @@ def main(argv: list[str] | None = None) -> int:
         token_file = os.path.join(token_dir, "cluster-token")
         with open(os.open(token_file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600), "w") as f:
             f.write(os.urandom(32).hex())
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SYSTEMS, "mooncake")}
+    only = set(args.only.split(",")) if args.only else {*SYSTEMS, "mooncake"}
+    if only - {*SYSTEMS, "mooncake"}:
+        raise SystemExit(f"bench_store --only: unknown systems {sorted(only - {*SYSTEMS, 'mooncake'})}")
+    systems = {name: v for name, v in SYSTEMS.items() if name in only}
+    if "mooncake" not in only:
+        why = "not asked for (--only)"
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*systems, "mooncake")}
     for _ in range(reps):
-        for name, (backend, fast_path) in SYSTEMS.items():
+        for name, (backend, fast_path) in systems.items():
             runs[name].append(bench_ours(n, size, args.batch, backend, fast_path, token_file))
         if why is None:
             try:
@@ -414,13 +422,13 @@ def main(argv: list[str] | None = None) -> int:
                                          "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
                                          "mooncake": "tcp loopback"},
                            "floors": floors(n, size), "cluster_secret": bool(token_file)}
-    for name in SYSTEMS:
+    for name in systems:
         out[name] = best(runs[name])
     if runs["mooncake"] and why is None:
         mc = out["mooncake"] = best(runs["mooncake"])
         out["baseline"] = "mooncake-transfer-engine MooncakeDistributedStore + mooncake_master"
         out["ratios"] = {name: {row: round(out[name][row]["mb_s"] / mc[row]["mb_s"], 2) for row in mc}
-                         for name in SYSTEMS}
+                         for name in systems}
     else:
         out["mooncake"] = None
         out["baseline"] = f"baseline unavailable: {why}"
@@ -433,11 +441,11 @@ def main(argv: list[str] | None = None) -> int:
           "ratio = MB/s ours / Mooncake")
     print(f"{'row':<10} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
     for row in ("put", "get", "batch_put", "batch_get"):
-        for name in (*SYSTEMS, "mooncake"):
+        for name in (*systems, "mooncake"):
             r = out[name][row] if out.get(name) else None
             if r is None:
                 continue
-            ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in SYSTEMS else ""
+            ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in systems else ""
             p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
             print(f"{row:<10} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -31,12 +32,13 @@ from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import RequestTooBig
-from mooncaked.store.hints import Hint, Hints
+from mooncaked.store.hints import Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
+from mooncaked.store.reads import GetCall, Reader, chunks
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
 from mooncaked.store.tier_worker import TierWorker
@@ -121,6 +123,7 @@ class StoreClient:
         self._fast_lock = asyncio.Lock()
         self._places = Places()
         self._hints = Hints(config.location_hints)
+        self._reader: Reader | None = None
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
@@ -141,6 +144,7 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
+            self._reader = Reader(self.transfer, self.staging, self._hints, cfg.transfer_timeout_s, self.remove)
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
         if cfg.lmdb_bytes and self.lmdb is None:
@@ -590,17 +594,7 @@ class StoreClient:
     def _chunks(self, sizes: Sequence[int]) -> list[list[int]]:
         """Indices grouped so each group fits the staging area."""
         assert self.staging is not None, "start() first"
-        groups: list[list[int]] = [[]]
-        for i, size in enumerate(sizes):
-            if size <= 0:
-                raise InvalidArgument(f"object {i} of the batch is empty: store only non-empty objects")
-            if not self.staging.fits([size]):
-                raise InvalidArgument(f"an object of {size} bytes exceeds the {self.staging.nbytes}-byte staging "
-                                      "area; raise staging_bytes")
-            if not self.staging.fits([sizes[j] for j in groups[-1]] + [size]):
-                groups.append([])
-            groups[-1].append(i)
-        return [g for g in groups if g]
+        return chunks(self.staging, sizes)
 
     # -- get ----------------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes | None:
@@ -611,12 +605,7 @@ class StoreClient:
         """Each object's bytes or None. A copy on this host is read straight into the returned bytes
         (one copy, transfer.read_bytes); the others, and reads that fail, go through staging."""
         out: list[bytes | None] = [None] * len(keys)
-
-        def sink(i: int, off: int, size: int) -> bool:
-            out[i] = bytes(self.staging.slice(off, size))
-            return True
-
-        await self._fetch(keys, sink, out)
+        await self._fetch(GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), out=out))
         return out
 
     def _release_soon(self, lease: int, keys: list[str]) -> None:
@@ -632,118 +621,44 @@ class StoreClient:
 
         spawn(send(), f"store-release-{self.config.client_id}")
 
-    @staticmethod
-    def _intact(obj: store_pb2.ObjectReplicas, data: object) -> bool:
-        """Whether bytes read match the object's checksum (a mismatch is logged and counted)."""
-        if checksum(data) == obj.checksum:
-            return True
-        metrics.CHECKSUM_FAILURES.labels(obj.replicas[0].medium or "dram").inc()
-        logger.error("store object %s failed its checksum after a read; dropping it (a miss)", obj.key)
-        return False
-
-    async def _read_direct(self, objs: list, index: dict[str, int], out: list[bytes | None], got: list[bool],
-                           corrupt: list[str]) -> list:
-        """Read what shared memory reaches straight into `out`; returns the objects left for staging."""
-        left = []
-        for o in objs:
-            rep = o.replicas[0]
-            try:
-                data = await self.transfer.read_bytes(rep.endpoint.address, rep.endpoint.region, rep.offset, o.size,
-                                                      self.config.transfer_timeout_s)
-            except TransferError as e:
-                logger.info("store get of %s: shared-memory read failed (%s); reading through staging", o.key, e)
-                data = None
-            if data is None:
-                left.append(o)
-            elif self._intact(o, data):
-                _hand_over(o, data, index, out, got)
-            else:
-                corrupt.append(o.key)
-        return left
-
-    async def _read_hinted(self, hinted: list[tuple[str, Hint]]) -> dict[str, bytes]:
-        """Copies from the hinted places that shared memory reaches (unchecked: see _keep_early)."""
-        early: dict[str, bytes] = {}
-        for key, h in hinted:
-            try:
-                data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size,
-                                                      self.config.transfer_timeout_s)
-            except TransferError as e:  # the holder is gone, or its region changed: the lookup decides
-                logger.debug("store get of %s: no early copy from its last place (%s)", key, e)
-                data = None
-            if data is not None:
-                early[key] = data
-        return early
-
-    def _keep_early(self, objs: list, early: dict[str, bytes], index: dict[str, int], out: list[bytes | None],
-                    got: list[bool]) -> list:
-        """Serve the objects whose early copy hashes to the checksum the master just answered (those
-        are the committed bytes); returns the others, to read from the master's answer. A copy that
-        does not match is stale (its place was reused), not corrupt: it is dropped, not counted."""
-        left = []
-        for o in objs:
-            data = early.get(o.key)
-            if data is not None and len(data) == o.size and checksum(data) == o.checksum:
-                _hand_over(o, data, index, out, got)
-                metrics.hinted_read("used").inc()
-            else:
-                if data is not None:
-                    metrics.hinted_read("stale").inc()
-                left.append(o)
-        return left
-
     async def get_into(self, key: str, out: torch.Tensor) -> bool:
-        """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's)."""
+        """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's).
+        A contiguous CPU tensor is read into directly (reads.py); on False its contents are undefined."""
         return (await self.batch_get_into([key], [out]))[0]
 
     async def batch_get_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Like get_into for many keys; one round trip to the master and one data-plane batch per chunk."""
+        """Like get_into for many keys; one round trip to the master per piece, reads pipelined."""
         if len(keys) != len(outs):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output tensors")
+        call = GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), outs=outs)
+        return await self._fetch(call)
 
-        def sink(i: int, off: int, size: int) -> bool:
-            if nbytes_of(outs[i]) != size:
-                logger.warning("store object %s has %d bytes but its output tensor %d; treating it as a miss",
-                               keys[i], size, nbytes_of(outs[i]))
-                return False
-            self.staging.unstage(off, outs[i])
-            return True
-
-        return await self._fetch(keys, sink)
-
-    async def _fetch(self, keys: Sequence[str], sink: Callable[[int, int, int], bool],
-                     out: list[bytes | None] | None = None) -> list[bool]:
-        """Look keys up and read them; with `out`, copies on this host go straight into it."""
-        assert self.staging is not None, "start() first"
-        got = [False] * len(keys)
-        if not keys:
-            return got
-        index = {k: i for i, k in enumerate(keys)}
+    async def _fetch(self, call: GetCall) -> list[bool]:
+        """Look keys up and read them (reads.py moves, checks and hands the bytes over)."""
+        assert self._reader is not None, "start() first"
+        reader, got, index = self._reader, call.got, call.index
         step = max(1, self.config.get_batch_keys)
-        todo = list(keys)
+        todo = list(call.keys)
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
             req = store_pb2.BatchGetReplicasRequest(keys=piece, client_id=self.config.client_id,
                                                     release_lease=release[0], release_keys=release[1])
-            hinted = self._hints.pick(req.keys) if out is not None else []
-            if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
-                lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
-                early = await self._read_hinted(hinted)
-                reply = await lookup
-            else:
-                reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
-            objs = [o for o in reply.objects if o.key in index and o.replicas]
-            self._hints.note_objects(objs)
-            if hinted:
-                objs = self._keep_early(objs, early, index, out, got)  # type: ignore[arg-type]
-            if out is not None:
-                corrupt: list[str] = []
-                objs = await self._read_direct(objs, index, out, got, corrupt)
-                if corrupt:
-                    await self.remove(corrupt)
-            for chunk in self._chunks([o.size for o in objs]):
-                await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
+            hinted = self._hints.pick(req.keys)
+            async with AsyncExitStack() as stack:  # what early copies landed in is held until they are served
+                if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
+                    lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+                    early = await reader.start_early(call, hinted, stack)
+                    reply = await lookup
+                else:
+                    reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+                objs = [o for o in reply.objects if o.key in index and o.replicas]
+                self._hints.note_objects(objs)
+                if hinted:
+                    objs = await reader.keep_early(call, objs, early)
+            if call.out is not None:
+                objs = await reader.read_direct(call, objs)
+            await reader.read(call, objs)
             # DRAM is short: give this piece's lease back with the next request, so its copies make room
             release = (reply.lease_id, [o.key for o in reply.objects]) if reply.lease_id else (0, [])
             if reply.later_keys:  # what did not fit its owner's DRAM yet comes next, in chain order
@@ -755,36 +670,6 @@ class StoreClient:
         for ok in got:
             metrics.client_op("get", "hit" if ok else "miss").inc()
         return got
-
-    async def _fetch_chunk(self, objs, index: dict[str, int], sink, got: list[bool]) -> None:
-        async with self.staging.lease([o.size for o in objs]) as offsets:
-            todo = list(range(len(objs)))
-            for attempt in range(2):  # a failed read is retried once on each object's next copy
-                ops = []
-                for j in todo:
-                    reps = objs[j].replicas
-                    rep = reps[attempt % len(reps)]
-                    ops.append(TransferOp("read", STAGING_REGION, offsets[j], rep.endpoint.address,
-                                          rep.endpoint.region, rep.offset, objs[j].size))
-                try:
-                    await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
-                    break
-                except TransferError as e:
-                    logger.warning("store get of %d objects failed on the data plane (%s)", len(todo), e)
-                    todo = [j for j in todo if len(objs[j].replicas) > 1]
-                    if attempt or not todo:
-                        return
-            corrupt = []
-            for j in todo:
-                o = objs[j]
-                if not self._intact(o, self.staging.slice(offsets[j], o.size)):
-                    corrupt.append(o.key)
-                    continue
-                if sink(index[o.key], offsets[j], o.size):
-                    got[index[o.key]] = True
-                    metrics.client_bytes("get").inc(o.size)
-        if corrupt:
-            await self.remove(corrupt)
 
     # -- queries ------------------------------------------------------------------------------------
     async def exist(self, key: str) -> bool:
@@ -807,14 +692,6 @@ class StoreClient:
 
     async def pool_stats(self) -> store_pb2.PoolStatsReply:
         return await self._call("PoolStats", self.stub.PoolStats, store_pb2.PoolStatsRequest())
-
-
-def _hand_over(o: store_pb2.ObjectReplicas, data: bytes, index: dict[str, int], out: list[bytes | None],
-               got: list[bool]) -> None:
-    """A checked object's bytes into a get's results."""
-    out[index[o.key]] = data
-    got[index[o.key]] = True
-    metrics.client_bytes("get").inc(o.size)
 
 
 __all__ = ["StoreClient", "StoreClientConfig", "StoreError", "StoreUnavailable"]
