@@ -95,6 +95,9 @@ class Reader:
                 rest.append((key, h))
         if not rest:
             return early
+        staged = [j for j, (k, h) in enumerate(rest) if self._in_place(call, k, h.size) is None]
+        fit = {staged[j] for j in self._fitting([rest[i][1].size for i in staged])}
+        rest = [r for j, r in enumerate(rest) if j in fit or j not in staged]  # the others wait for the lookup
         landings = await self.landings(call, [k for k, _ in rest], [h.size for _, h in rest], stack)
         by_peer: dict[str, list[tuple[str, Hint, Landing]]] = {}
         for (key, h), landing in zip(rest, landings):
@@ -228,8 +231,8 @@ class Reader:
         landings: list[Landing | None] = [None] * len(keys)
         staged = []
         for j, (key, size) in enumerate(zip(keys, sizes)):
-            t = call.outs[call.index[key]] if call.outs is not None else None
-            if t is not None and t.device.type == "cpu" and t.is_contiguous() and nbytes_of(t) == size:
+            t = self._in_place(call, key, size)
+            if t is not None:
                 name = f"store-into-{next(_into_names)}"
                 info = self.transfer.register(name, t)
                 stack.callback(self._unregister, name)
@@ -241,6 +244,23 @@ class Reader:
             for j, off in zip(staged, offsets):
                 landings[j] = Landing(STAGING_REGION, off, self.staging.slice(off, sizes[j]))
         return landings  # type: ignore[return-value]
+
+    @staticmethod
+    def _in_place(call: GetCall, key: str, size: int) -> torch.Tensor | None:
+        """The caller's tensor for `key` when the read can land in it directly."""
+        t = call.outs[call.index[key]] if call.outs is not None else None
+        if t is not None and t.device.type == "cpu" and t.is_contiguous() and nbytes_of(t) == size:
+            return t
+        return None
+
+    def _fitting(self, sizes: Sequence[int]) -> list[int]:
+        """The leading objects whose early copies fit the staging area at once (the lookup is not held up)."""
+        taken: list[int] = []
+        for j, size in enumerate(sizes):
+            if not self.staging.fits([*(sizes[i] for i in taken), size]):
+                break
+            taken.append(j)
+        return taken
 
     def _unregister(self, name: str) -> None:
         try:
