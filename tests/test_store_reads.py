@@ -15,6 +15,7 @@ import torch
 from prometheus_client import REGISTRY
 from store_helpers import client, start
 
+from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import reads
 
 KiB = 1024
@@ -173,5 +174,47 @@ async def test_pipelined_batches_return_each_object_in_its_place(backend: str):
             assert not into_regions(c)
     finally:
         for c in (reader, writer, *owners):
+            await c.close()
+        await runner.stop()
+
+
+async def test_a_pipelined_batch_put_into_places_reserved_ahead_stores_every_object_where_the_master_says():
+    """A batch put takes places reserved ahead and commits group by group while later groups move; the
+    objects without such a place (another size, a tensor) take PutStart; every one reads back, and a
+    master restart (its places unknown to the new one) sends the batch through PutStart again."""
+    runner, addr = await start()
+    port = int(addr.rsplit(":", 1)[1])
+    owner = await client(addr, "owner", dram_bytes=4 << 20)
+    writer = await client(addr, "writer")
+    reader = await client(addr, "reader")
+    try:
+        size = 24 * KiB
+        assert await writer.put("r/warm", os.urandom(size))  # reserves places of this size ahead
+        [stock] = writer._places._stock.values()
+        reserved = {p.replicas[0].offset for p in stock}
+        assert len(reserved) >= 2 * reads.PIPELINE_GROUP + 1
+        items = [(f"r/{i}", os.urandom(size)) for i in range(2 * reads.PIPELINE_GROUP + 1)]
+        items += [("r/other-size", os.urandom(size + 64)), ("r/tensor", torch.arange(size // 4, dtype=torch.int32))]
+        assert await writer.batch_put(items) == [True] * len(items)
+        looked_up = await reader._call("BatchGetReplicas", reader.stub.BatchGetReplicas, store_pb2.BatchGetReplicasRequest(
+            keys=[k for k, _ in items[:-2]], client_id="reader"))
+        assert {o.replicas[0].offset for o in looked_up.objects} <= reserved  # the places reserved ahead
+        got = await reader.batch_get([k for k, _ in items])
+        assert got[:-1] == [bytes(v) for _, v in items[:-1]]
+        assert got[-1] == bytes(items[-1][1].numpy())
+        # the same keys again: already stored (True), nothing written twice
+        assert await writer.batch_put(items[:3]) == [True] * 3
+
+        await runner.stop()
+        runner, _ = await start(port=port)
+        for _ in range(100):  # the owner remounts on the new master
+            if "owner/dram" in runner.service.master.segments:
+                break
+            await asyncio.sleep(0.05)
+        again = [(f"r2/{i}", os.urandom(size)) for i in range(reads.PIPELINE_GROUP + 1)]
+        assert await writer.batch_put(again) == [True] * len(again)
+        assert await reader.batch_get([k for k, _ in again]) == [v for _, v in again]
+    finally:
+        for c in (reader, writer, owner):
             await c.close()
         await runner.stop()

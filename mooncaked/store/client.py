@@ -38,7 +38,7 @@ from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUna
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
-from mooncaked.store.reads import GetCall, Reader, chunks
+from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
 from mooncaked.store.tier_worker import TierWorker
@@ -332,8 +332,8 @@ class StoreClient:
         reserving = None if place is not None else await self._send(
             "ReservePlaces", self.stub.ReservePlaces,
             self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
-        # a caller's bytes are checksummed as they are (while the master reserves, if it does)
-        csum = None if isinstance(data, torch.Tensor) else checksum(data)
+        # a caller's bytes are checksummed while the master reserves, if it does; else while they are written
+        csum = None if isinstance(data, torch.Tensor) or reserving is None else checksum(data)
         if reserving is not None:
             try:
                 got = self._stock(shape, await reserving)
@@ -370,20 +370,27 @@ class StoreClient:
         """
         assert self.staging is not None
         staged = place.replicas
-        if csum is not None:
+        if not isinstance(data, torch.Tensor):
             staged = [rep for rep in place.replicas
-                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,  # type: ignore[arg-type]
+                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,
                                                             rep.offset, self.config.transfer_timeout_s)]
             if not staged:
-                return csum
+                return csum if csum is not None else checksum(data)
         async with self.staging.lease([size]) as (off,):
             self.staging.stage(off, data)
-            if csum is None:
-                csum = checksum(self.staging.slice(off, size))
             ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
                    for rep in staged]
-            await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
-        return csum
+            if csum is not None:
+                await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
+                return csum
+            writing = asyncio.ensure_future(self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s))
+            try:
+                await asyncio.sleep(0)  # the write goes onto the wire...
+                csum = checksum(self.staging.slice(off, size))  # ...while its bytes are hashed
+                await writing
+            finally:  # cancelled: nothing may read the staging area once it is given back
+                await settle([writing])
+            return csum
 
     def _ahead(self, shape: Shape) -> int:
         """How many places of this shape to keep: reserve_ahead_bytes' worth, within [2, 64]."""
@@ -448,6 +455,11 @@ class StoreClient:
         """
         out = [False] * len(items)
         todo = list(range(len(items)))
+        if self.config.reserve_ahead_bytes > 0 and self.staging is not None and items:
+            for i, done in enumerate(await self._put_reserved_many(items, soft_pin)):
+                if done is not None:
+                    out[i] = done
+            todo = [i for i in todo if not out[i]]
         deadline = asyncio.get_running_loop().time() + self.config.no_room_retry_s
         pause = 0.02
         while True:
@@ -460,6 +472,86 @@ class StoreClient:
                 return out
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
+
+    async def _put_reserved_many(self, items: Sequence[tuple[str, Data]], soft_pin: bool) -> list[bool | None]:
+        """The items that find a place reserved ahead, written and committed pipelined (see
+        _write_and_commit); None for the others (the PutStart path takes them)."""
+        assert self.staging is not None
+        results: list[bool | None] = [None] * len(items)
+        now = asyncio.get_running_loop().time()
+        pref = self.dram_segment if self.config.prefer_local and self.dram else ""
+        sizes = [nbytes_of(d) for _, d in items]
+        taken: list[tuple[int, Place]] = []
+        for i, size in enumerate(sizes):
+            if size <= 0 or not self.staging.fits([size]):
+                continue  # the PutStart path says what is wrong
+            shape = Shape(size, self.config.replicas, pref)
+            place = self._places.take(shape, now)
+            if place is not None:
+                self._refill_soon(shape)
+                taken.append((i, place))
+        for chunk in self._chunks([sizes[i] for i, _ in taken]):
+            part = [taken[j] for j in chunk]
+            for (i, _), ok in zip(part, await self._write_and_commit(items, part, sizes, soft_pin)):
+                results[i] = ok
+        return results
+
+    async def _write_and_commit(self, items: Sequence[tuple[str, Data]], part: list[tuple[int, Place]],
+                                sizes: list[int], soft_pin: bool) -> list[bool | None]:
+        """Write objects into their reserved places in groups of PIPELINE_GROUP, each group's bytes
+        moving while the next is staged and hashed, and commit each group as soon as its bytes are in
+        place, while later groups still move (a commit names only objects whose every byte landed).
+        True: committed; False: the write failed (its places given back); None: the master did not
+        know the place (the PutStart path tries again)."""
+        assert self.staging is not None
+        out: list[bool | None] = [False] * len(part)
+        sums = [0] * len(part)
+        groups = [list(range(s, min(s + PIPELINE_GROUP, len(part)))) for s in range(0, len(part), PIPELINE_GROUP)]
+        commits: list[tuple[list[int], Awaitable[store_pb2.BatchPutEndReply]]] = []
+        async with self.staging.lease([sizes[i] for i, _ in part]) as offsets:
+            writes: list[asyncio.Future] = []
+            try:
+                for g in groups:
+                    ops = []
+                    for j in g:
+                        (i, place), off = part[j], offsets[j]
+                        self.staging.stage(off, items[i][1])
+                        sums[j] = checksum(self.staging.slice(off, sizes[i]))
+                        ops += [TransferOp("write", STAGING_REGION, off, r.endpoint.address, r.endpoint.region,
+                                           r.offset, sizes[i]) for r in place.replicas]
+                    writes.append(asyncio.ensure_future(self.transfer.submit(ops, self.config.transfer_timeout_s)))
+                    await asyncio.sleep(0)  # its bytes go onto the wire while the next group is staged
+                for g, writing in zip(groups, writes):
+                    try:
+                        await writing
+                    except TransferError as e:
+                        logger.warning("store put of %d objects failed on the data plane (%s); giving their places "
+                                       "back", len(g), e)
+                        await self._give_back([part[j][1].reservation for j in g])
+                        continue
+                    end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(
+                        reservation=part[j][1].reservation, key=items[part[j][0]][0], checksum=sums[j],
+                        soft_pin=soft_pin) for j in g])
+                    commits.append((g, await self._send("BatchPutEnd", self.stub.BatchPutEnd, end)))
+            finally:  # cancelled: nothing may read the staging area once it is given back
+                await settle(writes)
+        replies = await asyncio.gather(*(c for _, c in commits), return_exceptions=True)
+        for (g, _), reply in zip(commits, replies):
+            if isinstance(reply, BaseException):
+                raise reply
+            for j, ok in zip(g, reply.reserved_ok):
+                i, place = part[j]
+                if not ok:  # the master did not know the place: it restarted, or the place lapsed
+                    self._places.forget()
+                    out[j] = None
+                    continue
+                out[j] = True
+                self._committed(items[i][0], place.replicas, sizes[i], sums[j])
+                metrics.client_bytes("put").inc(sizes[i])
+        for ok in out:
+            if ok is not None:
+                metrics.client_op("put", "ok" if ok else "failed").inc()
+        return out
 
     async def _put_chunk(self, items: Sequence[tuple[str, Data]], soft_pin: bool) -> list[bool]:
         assert self.staging is not None, "start() first"

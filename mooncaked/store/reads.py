@@ -131,8 +131,7 @@ class Reader:
                 if task.done():
                     ok = task.result()
                 else:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    await settle([task])
             if ok:
                 for key, h, landing in items:
                     early.copies[key] = (h, landing)
@@ -189,9 +188,7 @@ class Reader:
                         for task in tasks:
                             self._check(call, chunk_objs, landings, await task, corrupt)
                     finally:  # cancelled: nothing may land in a landing once it is given back
-                        for task in tasks:
-                            task.cancel()
-                        await asyncio.gather(*tasks, return_exceptions=True)
+                        await settle(tasks)
             if corrupt:
                 await self._remove(corrupt)
 
@@ -303,10 +300,16 @@ class Early:
 
     async def settle(self) -> None:
         """Stop what is still in flight (its connection is dropped) before the landings are given back."""
-        pending = [t for _, _, t in self.reads if not t.done()]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await settle([t for _, _, t in self.reads])
+
+
+async def settle(tasks: Sequence[asyncio.Future]) -> None:
+    """Cancel what is still running and wait until it has stopped (the transfer engine drops a
+    connection whose answer would land in, or whose request reads, memory given back)."""
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
 
 
 def chunks(staging: Staging, sizes: Sequence[int]) -> list[list[int]]:
