@@ -7,7 +7,10 @@ staging area and checks its XXH3-64 before handing it over (a mismatch is a miss
 object is removed, logged and counted). LMDB-held objects are promoted by their owner
 into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
 A get of an object whose place the client already knows copies it while the lookup is in
-flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py).
+flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); the
+get path's reads (early, pipelined, straight into a caller's tensor) are reads.py's. A batch put
+into places reserved ahead commits each group of objects once its bytes landed, while the next
+group's bytes move.
 """
 
 from __future__ import annotations

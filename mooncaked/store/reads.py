@@ -102,10 +102,12 @@ class Reader:
         by_peer: dict[str, list[tuple[str, Hint, Landing]]] = {}
         for (key, h), landing in zip(rest, landings):
             by_peer.setdefault(h.address, []).append((key, h, landing))
-        for address, items in by_peer.items():
-            ops = [TransferOp("read", ld.region, ld.offset, h.address, h.region, h.offset, h.size)
-                   for _, h, ld in items]
-            early.reads.append((address, items, asyncio.ensure_future(self._submit(ops))))
+        for address, items in by_peer.items():  # per owner, in groups: each is checked as soon as it lands
+            for s in range(0, len(items), PIPELINE_GROUP):
+                group = items[s:s + PIPELINE_GROUP]
+                ops = [TransferOp("read", ld.region, ld.offset, h.address, h.region, h.offset, h.size)
+                       for _, h, ld in group]
+                early.reads.append((address, group, asyncio.ensure_future(self._submit(ops))))
         stack.push_async_callback(early.settle)  # nothing lands in a landing after it is given back
         return early
 
@@ -121,31 +123,34 @@ class Reader:
         """Serve the objects whose early copy hashes to the checksum the master just answered (those
         are the committed bytes); returns the others, to read from the master's answer. A copy that
         does not match is stale (its place was reused), not corrupt: it is dropped, not counted."""
+        by_key = {o.key: o for o in objs}
         named = {r.endpoint.address for o in objs for r in o.replicas}
+        served: set[str] = set()
+        for key, (h, landing) in early.copies.items():  # copied out of shared memory already
+            self._keep(call, by_key.get(key), h, landing, served)
         for address, items, task in early.reads:
-            ok = False
             if address in named or task.done():
                 ok = await task  # an owner the master names as live: it answers within the transfer deadline
             else:  # the master did not name it: maybe dead or stalled; a live one answers within the grace
                 await asyncio.wait([task], timeout=EARLY_GRACE_S)
-                if task.done():
-                    ok = task.result()
-                else:
-                    await settle([task])
+                ok = task.done() and task.result()
+                await settle([task])
             if ok:
                 for key, h, landing in items:
-                    early.copies[key] = (h, landing)
-        left = []
-        for o in objs:
-            copy = early.copies.get(o.key)
-            if copy is not None and copy[0].size == o.size and checksum(copy[1].view) == o.checksum:
-                self.hand_over(call, o, copy[1])
-                metrics.hinted_read("used").inc()
-            else:
-                if copy is not None:
-                    metrics.hinted_read("stale").inc()
-                left.append(o)
-        return left
+                    self._keep(call, by_key.get(key), h, landing, served)
+        return [o for o in objs if o.key not in served]
+
+    def _keep(self, call: GetCall, o: store_pb2.ObjectReplicas | None, h: Hint, landing: Landing,
+              served: set[str]) -> None:
+        """Hand an early copy over if the master answered its key with the checksum it hashes to."""
+        if o is None:  # the master does not know the key (any more): a miss, whatever the copy holds
+            return
+        if h.size == o.size and checksum(landing.view) == o.checksum:
+            self.hand_over(call, o, landing)
+            served.add(o.key)
+            metrics.hinted_read("used").inc()
+        else:
+            metrics.hinted_read("stale").inc()
 
     # -- reads from the master's answer ----------------------------------------------------------
     async def read_direct(self, call: GetCall, objs: list) -> list:
