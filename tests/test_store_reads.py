@@ -77,7 +77,7 @@ _OWNER = """
 import asyncio, sys
 from mooncaked.store import StoreClient, StoreClientConfig
 async def main():
-    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id="stalled", dram_bytes=1 << 20,
+    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id=sys.argv[2], dram_bytes=1 << 20,
                                       ping_interval_s=0.1))
     await c.start()
     print("ready", flush=True)
@@ -86,13 +86,18 @@ asyncio.run(main())
 """
 
 
+def owner_process(addr: str, name: str) -> subprocess.Popen:
+    """A store client lending 1 MiB of DRAM in a process of its own; it prints "ready" once mounted."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name], stdout=subprocess.PIPE, text=True, env=env)
+
+
 async def test_a_stalled_owner_under_a_hint_does_not_hold_the_get_up_to_the_transfer_deadline():
     """The owner a hint points at stops answering (SIGSTOP: its socket takes the request, nothing comes
     back); the master drops it and the key is put again elsewhere. The early read toward it is given
     up once the lookup names another owner, long before the 60 s transfer deadline would end it."""
     runner, addr = await start(client_ttl_s=0.5)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-c", _OWNER, addr], stdout=subprocess.PIPE, text=True, env=env)
+    proc = owner_process(addr, "stalled")
     writer = await client(addr, "writer", transfer_timeout_s=60.0)
     other = await client(addr, "other", reserve_ahead_bytes=0)
     owner = None
@@ -216,5 +221,38 @@ async def test_a_pipelined_batch_put_into_places_reserved_ahead_stores_every_obj
         assert await reader.batch_get([k for k, _ in again]) == [v for _, v in again]
     finally:
         for c in (reader, writer, owner):
+            await c.close()
+        await runner.stop()
+
+
+async def test_a_batch_put_whose_reserved_places_died_with_their_owner_lands_elsewhere(caplog):
+    """The writer's places reserved ahead are on an owner killed since (kill -9): the group's writes
+    fail, its places are given back, nothing is committed there, and the batch is placed again on
+    the live owner once the master has dropped the dead one."""
+    runner, addr = await start(client_ttl_s=0.5)
+    proc = owner_process(addr, "doomed")
+    writer = await client(addr, "writer")
+    owner = None
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline) == "ready\n"
+        size = 16 * KiB
+        assert await writer.put("d/warm", os.urandom(size))  # places ahead: all on "doomed", the only owner
+        [stock] = writer._places._stock.values()
+        assert stock and all(p.replicas[0].segment == "doomed/dram" for p in stock)
+        owner = await client(addr, "owner", dram_bytes=1 << 20)
+        proc.kill()
+        proc.wait(10)
+        items = [(f"d/{i}", os.urandom(size)) for i in range(reads.PIPELINE_GROUP + 2)]
+        assert await writer.batch_put(items) == [True] * len(items)
+        assert "failed on the data plane" in caplog.text and "giving their places back" in caplog.text  # tried
+        looked_up = await writer._call("BatchGetReplicas", writer.stub.BatchGetReplicas,
+                                       store_pb2.BatchGetReplicasRequest(keys=[k for k, _ in items], client_id="w"))
+        assert {o.replicas[0].segment for o in looked_up.objects} == {"owner/dram"}
+        assert await writer.batch_get([k for k, _ in items]) == [v for _, v in items]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for c in (writer, *([owner] if owner else [])):
             await c.close()
         await runner.stop()
