@@ -6,7 +6,9 @@ that lends nothing), and in the driver each phase of a single-object op timed al
 not touched since they were made, as a caller's fresh KV block, and of bytes just received),
 the copy into the staging area and out of it as `bytes` (a put is also done by hand, phase by
 phase, into places reserved ahead, as put() does); and the whole ops, a get with and
-without a location hint (with one, the read overlaps the lookup: reads.py). The phases of one
+without a location hint (with one, the read overlaps the lookup: reads.py) and a get_into of a
+contiguous tensor (read straight into it: no `bytes` made), these three interleaved object by
+object in rotating order, so that a loaded machine slows them alike. The phases of one
 op add up to more than the op where they overlap; the sum of the serial ones is shown too.
 """
 
@@ -26,6 +28,7 @@ def _p50_us(samples: list[float]) -> float:
 def _driver(pipe: Any, master: str, n: int, size: int) -> None:
     import asyncio
 
+    import torch
     import uvloop
 
     from bench_store import payloads
@@ -46,7 +49,7 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
             await client.put(f"warm/{i}", data[i])
             await client.get(f"warm/{i}")
         t: dict[str, list[float]] = {name: [] for name in (
-            "put", "put_checksum_cold", "put_stage_copy", "put_write_rtt", "put_commit_rtt", "get_hinted", "get_no_hint",
+            "put", "put_checksum_cold", "put_stage_copy", "put_write_rtt", "put_commit_rtt", "get_hinted", "get_into_hinted", "get_no_hint",
             "get_lookup_rtt", "get_read_rtt", "get_checksum_warm", "get_bytes_copy")}
 
         def timed(name: str, fn, *args):  # noqa: ANN001, ANN202 - a local helper
@@ -85,15 +88,24 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
             await client._call("BatchPutEnd", client.stub.BatchPutEnd, store_pb2.BatchPutEndRequest(
                 revoke_reservations=[p.id for p in places]))
         await client.remove([f"byhand/{i}" for i in range(n)])
-        for k, d in zip(keys, data):
-            s = time.perf_counter()
+        into = torch.empty(size, dtype=torch.uint8)
+
+        async def get_hinted(k: str, d: bytes) -> None:
             assert await client.get(k) == d
-            t["get_hinted"].append(time.perf_counter() - s)
-        for k, d in zip(keys, data):
+
+        async def get_into_hinted(k: str, d: bytes) -> None:
+            assert await client.get_into(k, into)
+
+        async def get_no_hint(k: str, d: bytes) -> None:
             client._hints.forget([k])
-            s = time.perf_counter()
             assert await client.get(k) == d
-            t["get_no_hint"].append(time.perf_counter() - s)
+
+        variants = [get_hinted, get_into_hinted, get_no_hint]
+        for i, (k, d) in enumerate(zip(keys, data)):  # interleaved, in rotating order: load hits all alike
+            for v in variants[i % 3:] + variants[:i % 3]:
+                s = time.perf_counter()
+                await v(k, d)
+                t[v.__name__].append(time.perf_counter() - s)
         async with staging.lease([size]) as (off,):
             for k in keys:
                 s = time.perf_counter()

@@ -335,8 +335,8 @@ class StoreClient:
         reserving = None if place is not None else await self._send(
             "ReservePlaces", self.stub.ReservePlaces,
             self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
-        # a caller's bytes are checksummed while the master reserves, if it does; else while they are written
-        csum = None if isinstance(data, torch.Tensor) or reserving is None else checksum(data)
+        # a caller's bytes are checksummed as they are (while the master reserves, if it does)
+        csum = None if isinstance(data, torch.Tensor) else checksum(data)
         if reserving is not None:
             try:
                 got = self._stock(shape, await reserving)
@@ -373,27 +373,20 @@ class StoreClient:
         """
         assert self.staging is not None
         staged = place.replicas
-        if not isinstance(data, torch.Tensor):
+        if csum is not None:
             staged = [rep for rep in place.replicas
-                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,
+                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,  # type: ignore[arg-type]
                                                             rep.offset, self.config.transfer_timeout_s)]
             if not staged:
-                return csum if csum is not None else checksum(data)
+                return csum
         async with self.staging.lease([size]) as (off,):
             self.staging.stage(off, data)
+            if csum is None:
+                csum = checksum(self.staging.slice(off, size))
             ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
                    for rep in staged]
-            if csum is not None:
-                await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
-                return csum
-            writing = asyncio.ensure_future(self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s))
-            try:
-                await asyncio.sleep(0)  # the write goes onto the wire...
-                csum = checksum(self.staging.slice(off, size))  # ...while its bytes are hashed
-                await writing
-            finally:  # cancelled: nothing may read the staging area once it is given back
-                await settle([writing])
-            return csum
+            await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
+        return csum
 
     def _ahead(self, shape: Shape) -> int:
         """How many places of this shape to keep: reserve_ahead_bytes' worth, within [2, 64]."""
