@@ -17,6 +17,7 @@ the default wheel needs libcuda.so.1; Debian's libibverbs1 must be installed). W
 cannot run, the output says "baseline unavailable: <reason>" and still gives our figures.
 
 Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B] [--token]
+[--only ours,ours_shm,ours_grpc,mooncake] [--phases]
 --token: our master and clients share a cluster secret (gRPC metadata; the fast path's and the
 transfer ports' handshake, once per connection).
 
