@@ -26,8 +26,6 @@ def _p50_us(samples: list[float]) -> float:
 
 
 def _driver(pipe: Any, master: str, n: int, size: int) -> None:
-    import asyncio
-
     import torch
     import uvloop
 

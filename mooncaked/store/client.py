@@ -147,7 +147,7 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
-            self._reader = Reader(self.transfer, self.staging, self._hints, cfg.transfer_timeout_s, self.remove)
+            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove)
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
         if cfg.lmdb_bytes and self.lmdb is None:

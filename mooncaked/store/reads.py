@@ -32,7 +32,7 @@ from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import metrics
 from mooncaked.store.dram_segment import STAGING_REGION, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument
-from mooncaked.store.hints import Hint, Hints
+from mooncaked.store.hints import Hint
 from mooncaked.store.records import checksum
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 
@@ -67,11 +67,10 @@ class GetCall:
 class Reader:
     """Moves the bytes of a StoreClient's gets (the client asks the master; this reads and checks)."""
 
-    def __init__(self, transfer: TransferEngine, staging: Staging, hints: Hints, timeout_s: float,
+    def __init__(self, transfer: TransferEngine, staging: Staging, timeout_s: float,
                  remove: Callable[[list[str]], Awaitable[int]]) -> None:
         self.transfer = transfer
         self.staging = staging
-        self.hints = hints
         self.timeout_s = timeout_s
         self._remove = remove
 
