@@ -17,6 +17,7 @@ from store_helpers import client, start
 
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import reads
+from mooncaked.store.errors import InvalidArgument
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(90)
@@ -119,6 +120,30 @@ async def test_a_stalled_owner_under_a_hint_does_not_hold_the_get_up_to_the_tran
         proc.kill()
         proc.wait(10)
         for c in (other, writer, *([owner] if owner else [])):
+            await c.close()
+        await runner.stop()
+
+
+async def test_get_into_a_contiguous_tensor_needs_no_staging_room():
+    """The read lands in the caller's tensor itself: an object bigger than the reader's whole staging
+    area is read into a contiguous tensor, while as `bytes` (or into a strided tensor) it cannot be."""
+    runner, addr = await start()
+    owner = await client(addr, "owner", dram_bytes=1 << 20)
+    writer = await client(addr, "writer")
+    reader = await client(addr, "reader", staging_bytes=4 * KiB)
+    try:
+        data = os.urandom(64 * KiB)
+        assert await writer.put("z/x", data)
+        out = torch.empty(16 * KiB, dtype=torch.int32)
+        assert await reader.get_into("z/x", out) and bytes(out.numpy()) == data
+        assert await reader.get_into("z/x", out)  # again, now from the hint the lookup left
+        with pytest.raises(InvalidArgument, match="staging"):
+            await reader.get("z/x")
+        with pytest.raises(InvalidArgument, match="staging"):
+            await reader.get_into("z/x", torch.empty(32 * KiB, dtype=torch.int32)[::2])
+        assert not into_regions(reader)
+    finally:
+        for c in (reader, writer, owner):
             await c.close()
         await runner.stop()
 

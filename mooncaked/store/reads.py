@@ -39,6 +39,7 @@ from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 logger = logging.getLogger(__name__)
 
 PIPELINE_GROUP = 4  # objects per group of a pipelined read: small enough to overlap, big enough to stripe
+REGISTER_PER_READ = ("tcp", "shm", "auto")  # registering is a table entry there; rdma pins memory (too dear per read)
 EARLY_GRACE_S = 0.05  # how long an early read toward an owner the lookup does not name may still land
 _into_names = itertools.count()
 
@@ -176,8 +177,11 @@ class Reader:
     async def read(self, call: GetCall, objs: list) -> None:
         """Read objects in staging-sized chunks; in each, groups of PIPELINE_GROUP all in flight,
         each checked and handed over as soon as it lands."""
-        for chunk in chunks(self.staging, [o.size for o in objs]):
-            chunk_objs = [objs[j] for j in chunk]
+        in_place = [o for o in objs if self._in_place(call, o.key, o.size) is not None]
+        staged = [o for o in objs if self._in_place(call, o.key, o.size) is None]
+        pieces = [in_place] if in_place else []  # read into the caller's tensors: no staging room needed
+        pieces += [[staged[j] for j in c] for c in chunks(self.staging, [o.size for o in staged])]
+        for chunk_objs in pieces:
             corrupt: list[str] = []
             async with AsyncExitStack() as stack:
                 landings = await self.landings(call, [o.key for o in chunk_objs], [o.size for o in chunk_objs], stack)
@@ -246,11 +250,11 @@ class Reader:
                 landings[j] = Landing(STAGING_REGION, off, self.staging.slice(off, sizes[j]))
         return landings  # type: ignore[return-value]
 
-    @staticmethod
-    def _in_place(call: GetCall, key: str, size: int) -> torch.Tensor | None:
+    def _in_place(self, call: GetCall, key: str, size: int) -> torch.Tensor | None:
         """The caller's tensor for `key` when the read can land in it directly."""
         t = call.outs[call.index[key]] if call.outs is not None else None
-        if t is not None and t.device.type == "cpu" and t.is_contiguous() and nbytes_of(t) == size:
+        if (t is not None and self.transfer.backend in REGISTER_PER_READ and t.device.type == "cpu"
+                and t.is_contiguous() and nbytes_of(t) == size):
             return t
         return None
 
