@@ -17,6 +17,7 @@ the default wheel needs libcuda.so.1; Debian's libibverbs1 must be installed). W
 cannot run, the output says "baseline unavailable: <reason>" and still gives our figures.
 
 Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B] [--token]
+[--only ours,ours_shm,ours_grpc,mooncake] [--phases]
 --token: our master and clients share a cluster secret (gRPC metadata; the fast path's and the
 transfer ports' handshake, once per connection).
 
@@ -26,6 +27,9 @@ flight: master RSS, metadata bytes per object and per segment, BatchPutStart+Bat
 BatchGetReplicas and LongestPrefix keys/s, one eviction round's time; ours as a real process
 over the fast path and as the state machine in-process, and mooncake_master with the same objects.
 Processes are spawned, never forked.
+
+--phases: where one put and one get spend their time over TCP, each phase timed alone in the same
+layout (tools/bench_store_phases.py).
 """
 
 from __future__ import annotations
@@ -158,6 +162,14 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
 
 def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: bool = True,
                token_file: str = "") -> dict[str, Any]:
+    # room for both phases: the first phase's removed objects stay reserved until their read leases end
+    return run_our_layout(_our_driver, (n, size, batch, backend, fast_path, token_file), backend,
+                          int(n * size * 2.4) + 64 * MiB, token_file)
+
+
+def run_our_layout(driver_main: Any, args: tuple, backend: str, dram_bytes: int, token_file: str = "") -> Any:
+    """Our master and an owner lending `dram_bytes`, then `driver_main(pipe, master_address, *args)` in a
+    process of its own; what it sent back (a string is its error, raised here)."""
     port = free_port()
     master = subprocess.Popen([sys.executable, "-c", _MASTER, f"127.0.0.1:{port}", token_file], stdout=subprocess.PIPE,
                               text=True, cwd=ROOT)
@@ -167,15 +179,12 @@ def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: b
             raise RuntimeError(f"store master did not start: {line!r}")
         addr = f"127.0.0.1:{port}"
         owner_pipe, child = CTX.Pipe()
-        # room for both phases: the first phase's removed objects stay reserved until their read leases end
-        owner = CTX.Process(target=_our_owner, args=(child, addr, int(n * size * 2.4) + 64 * MiB, backend, token_file),
-                            daemon=True)
+        owner = CTX.Process(target=_our_owner, args=(child, addr, dram_bytes, backend, token_file), daemon=True)
         owner.start()
         if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
             raise RuntimeError("our owner process did not start")
         driver_pipe, child = CTX.Pipe()
-        driver = CTX.Process(target=_our_driver, args=(child, addr, n, size, batch, backend, fast_path, token_file),
-                             daemon=True)
+        driver = CTX.Process(target=driver_main, args=(child, addr, *args), daemon=True)
         driver.start()
         if not driver_pipe.poll(300):
             raise RuntimeError("our driver did not finish")
@@ -380,13 +389,19 @@ def main(argv: list[str] | None = None) -> int:
                    "--scale: keys per metadata batch, default 64)")
     p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
     p.add_argument("--token", action="store_true", help="our processes share a (random) cluster secret")
+    p.add_argument("--only", default="", help="comma-separated systems to run (of ours, ours_shm, ours_grpc, "
+                   "mooncake; default all): for quick comparisons while working")
     p.add_argument("--scale", action="store_true", help="the master at scale: 1,000,000 objects (--quick: 100,000) "
                    "on --segments segments, metadata only, ours and mooncake_master")
+    p.add_argument("--phases", action="store_true", help="where one put and one get spend their time over TCP, "
+                   "per phase (tools/bench_store_phases.py)")
     p.add_argument("--segments", type=int, default=64, help="--scale: segments mounted (one per simulated engine)")
     p.add_argument("--depth", type=int, default=4, help="--scale: metadata batches in flight")
     args = p.parse_args(argv)
     if args.scale:
         return scale(args)
+    if args.phases:
+        return phases(args)
     args.batch = args.batch or 16
     n = args.objects or (96 if args.quick else 512)
     reps = args.reps or (1 if args.quick else 3)
@@ -398,9 +413,15 @@ def main(argv: list[str] | None = None) -> int:
         token_file = os.path.join(token_dir, "cluster-token")
         with open(os.open(token_file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600), "w") as f:
             f.write(os.urandom(32).hex())
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*SYSTEMS, "mooncake")}
+    only = set(args.only.split(",")) if args.only else {*SYSTEMS, "mooncake"}
+    if only - {*SYSTEMS, "mooncake"}:
+        raise SystemExit(f"bench_store --only: unknown systems {sorted(only - {*SYSTEMS, 'mooncake'})}")
+    systems = {name: v for name, v in SYSTEMS.items() if name in only}
+    if "mooncake" not in only:
+        why = "not asked for (--only)"
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in (*systems, "mooncake")}
     for _ in range(reps):
-        for name, (backend, fast_path) in SYSTEMS.items():
+        for name, (backend, fast_path) in systems.items():
             runs[name].append(bench_ours(n, size, args.batch, backend, fast_path, token_file))
         if why is None:
             try:
@@ -414,13 +435,13 @@ def main(argv: list[str] | None = None) -> int:
                                          "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
                                          "mooncake": "tcp loopback"},
                            "floors": floors(n, size), "cluster_secret": bool(token_file)}
-    for name in SYSTEMS:
+    for name in systems:
         out[name] = best(runs[name])
     if runs["mooncake"] and why is None:
         mc = out["mooncake"] = best(runs["mooncake"])
         out["baseline"] = "mooncake-transfer-engine MooncakeDistributedStore + mooncake_master"
         out["ratios"] = {name: {row: round(out[name][row]["mb_s"] / mc[row]["mb_s"], 2) for row in mc}
-                         for name in SYSTEMS}
+                         for name in systems}
     else:
         out["mooncake"] = None
         out["baseline"] = f"baseline unavailable: {why}"
@@ -433,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
           "ratio = MB/s ours / Mooncake")
     print(f"{'row':<10} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
     for row in ("put", "get", "batch_put", "batch_get"):
-        for name in (*SYSTEMS, "mooncake"):
+        for name in (*systems, "mooncake"):
             r = out[name][row] if out.get(name) else None
             if r is None:
                 continue
-            ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in SYSTEMS else ""
+            ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in systems else ""
             p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
             print(f"{row:<10} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
@@ -446,6 +467,21 @@ def main(argv: list[str] | None = None) -> int:
           f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")
     if out["mooncake"] is None:
         print(out["baseline"])
+    return 0
+
+
+def phases(args: argparse.Namespace) -> int:
+    from bench_store_phases import run
+
+    n = args.objects or (96 if args.quick else 256)
+    out = {"object_bytes": args.object_kib * 1024, "objects": n, "transport": "tcp loopback",
+           "p50_us": run(n, args.object_kib * 1024, args.reps or (1 if args.quick else 3))}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{n} objects of {args.object_kib} KiB over TCP, p50 µs per phase (median of the reps)")
+        for name, us in out["p50_us"].items():
+            print(f"  {name:<20} {us:>8.1f}")
     return 0
 
 

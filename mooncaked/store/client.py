@@ -7,7 +7,10 @@ staging area and checks its XXH3-64 before handing it over (a mismatch is a miss
 object is removed, logged and counted). LMDB-held objects are promoted by their owner
 into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
 A get of an object whose place the client already knows copies it while the lookup is in
-flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py).
+flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); the
+get path's reads (early, pipelined, straight into a caller's tensor) are reads.py's. A batch put
+into places reserved ahead commits each group of objects once its bytes landed, while the next
+group's bytes move.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -31,12 +35,13 @@ from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import RequestTooBig
-from mooncaked.store.hints import Hint, Hints
+from mooncaked.store.hints import Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
+from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
 from mooncaked.store.tier_worker import TierWorker
@@ -121,6 +126,7 @@ class StoreClient:
         self._fast_lock = asyncio.Lock()
         self._places = Places()
         self._hints = Hints(config.location_hints)
+        self._reader: Reader | None = None
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
@@ -141,6 +147,7 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
+            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove)
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
         if cfg.lmdb_bytes and self.lmdb is None:
@@ -444,6 +451,11 @@ class StoreClient:
         """
         out = [False] * len(items)
         todo = list(range(len(items)))
+        if self.config.reserve_ahead_bytes > 0 and self.staging is not None and items:
+            for i, done in enumerate(await self._put_reserved_many(items, soft_pin)):
+                if done is not None:
+                    out[i] = done
+            todo = [i for i in todo if not out[i]]
         deadline = asyncio.get_running_loop().time() + self.config.no_room_retry_s
         pause = 0.02
         while True:
@@ -456,6 +468,86 @@ class StoreClient:
                 return out
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
+
+    async def _put_reserved_many(self, items: Sequence[tuple[str, Data]], soft_pin: bool) -> list[bool | None]:
+        """The items that find a place reserved ahead, written and committed pipelined (see
+        _write_and_commit); None for the others (the PutStart path takes them)."""
+        assert self.staging is not None
+        results: list[bool | None] = [None] * len(items)
+        now = asyncio.get_running_loop().time()
+        pref = self.dram_segment if self.config.prefer_local and self.dram else ""
+        sizes = [nbytes_of(d) for _, d in items]
+        taken: list[tuple[int, Place]] = []
+        for i, size in enumerate(sizes):
+            if size <= 0 or not self.staging.fits([size]):
+                continue  # the PutStart path says what is wrong
+            shape = Shape(size, self.config.replicas, pref)
+            place = self._places.take(shape, now)
+            if place is not None:
+                self._refill_soon(shape)
+                taken.append((i, place))
+        for chunk in self._chunks([sizes[i] for i, _ in taken]):
+            part = [taken[j] for j in chunk]
+            for (i, _), ok in zip(part, await self._write_and_commit(items, part, sizes, soft_pin)):
+                results[i] = ok
+        return results
+
+    async def _write_and_commit(self, items: Sequence[tuple[str, Data]], part: list[tuple[int, Place]],
+                                sizes: list[int], soft_pin: bool) -> list[bool | None]:
+        """Write objects into their reserved places in groups of PIPELINE_GROUP, each group's bytes
+        moving while the next is staged and hashed, and commit each group as soon as its bytes are in
+        place, while later groups still move (a commit names only objects whose every byte landed).
+        True: committed; False: the write failed (its places given back); None: the master did not
+        know the place (the PutStart path tries again)."""
+        assert self.staging is not None
+        out: list[bool | None] = [False] * len(part)
+        sums = [0] * len(part)
+        groups = [list(range(s, min(s + PIPELINE_GROUP, len(part)))) for s in range(0, len(part), PIPELINE_GROUP)]
+        commits: list[tuple[list[int], Awaitable[store_pb2.BatchPutEndReply]]] = []
+        async with self.staging.lease([sizes[i] for i, _ in part]) as offsets:
+            writes: list[asyncio.Future] = []
+            try:
+                for g in groups:
+                    ops = []
+                    for j in g:
+                        (i, place), off = part[j], offsets[j]
+                        self.staging.stage(off, items[i][1])
+                        sums[j] = checksum(self.staging.slice(off, sizes[i]))
+                        ops += [TransferOp("write", STAGING_REGION, off, r.endpoint.address, r.endpoint.region,
+                                           r.offset, sizes[i]) for r in place.replicas]
+                    writes.append(asyncio.ensure_future(self.transfer.submit(ops, self.config.transfer_timeout_s)))
+                    await asyncio.sleep(0)  # its bytes go onto the wire while the next group is staged
+                for g, writing in zip(groups, writes):
+                    try:
+                        await writing
+                    except TransferError as e:
+                        logger.warning("store put of %d objects failed on the data plane (%s); giving their places "
+                                       "back", len(g), e)
+                        await self._give_back([part[j][1].reservation for j in g])
+                        continue
+                    end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(
+                        reservation=part[j][1].reservation, key=items[part[j][0]][0], checksum=sums[j],
+                        soft_pin=soft_pin) for j in g])
+                    commits.append((g, await self._send("BatchPutEnd", self.stub.BatchPutEnd, end)))
+            finally:  # cancelled: nothing may read the staging area once it is given back
+                await settle(writes)
+        replies = await asyncio.gather(*(c for _, c in commits), return_exceptions=True)
+        for (g, _), reply in zip(commits, replies):
+            if isinstance(reply, BaseException):
+                raise reply
+            for j, ok in zip(g, reply.reserved_ok):
+                i, place = part[j]
+                if not ok:  # the master did not know the place: it restarted, or the place lapsed
+                    self._places.forget()
+                    out[j] = None
+                    continue
+                out[j] = True
+                self._committed(items[i][0], place.replicas, sizes[i], sums[j])
+                metrics.client_bytes("put").inc(sizes[i])
+        for ok in out:
+            if ok is not None:
+                metrics.client_op("put", "ok" if ok else "failed").inc()
+        return out
 
     async def _put_chunk(self, items: Sequence[tuple[str, Data]], soft_pin: bool) -> list[bool]:
         assert self.staging is not None, "start() first"
@@ -590,17 +682,7 @@ class StoreClient:
     def _chunks(self, sizes: Sequence[int]) -> list[list[int]]:
         """Indices grouped so each group fits the staging area."""
         assert self.staging is not None, "start() first"
-        groups: list[list[int]] = [[]]
-        for i, size in enumerate(sizes):
-            if size <= 0:
-                raise InvalidArgument(f"object {i} of the batch is empty: store only non-empty objects")
-            if not self.staging.fits([size]):
-                raise InvalidArgument(f"an object of {size} bytes exceeds the {self.staging.nbytes}-byte staging "
-                                      "area; raise staging_bytes")
-            if not self.staging.fits([sizes[j] for j in groups[-1]] + [size]):
-                groups.append([])
-            groups[-1].append(i)
-        return [g for g in groups if g]
+        return chunks(self.staging, sizes)
 
     # -- get ----------------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes | None:
@@ -611,12 +693,7 @@ class StoreClient:
         """Each object's bytes or None. A copy on this host is read straight into the returned bytes
         (one copy, transfer.read_bytes); the others, and reads that fail, go through staging."""
         out: list[bytes | None] = [None] * len(keys)
-
-        def sink(i: int, off: int, size: int) -> bool:
-            out[i] = bytes(self.staging.slice(off, size))
-            return True
-
-        await self._fetch(keys, sink, out)
+        await self._fetch(GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), out=out))
         return out
 
     def _release_soon(self, lease: int, keys: list[str]) -> None:
@@ -632,118 +709,44 @@ class StoreClient:
 
         spawn(send(), f"store-release-{self.config.client_id}")
 
-    @staticmethod
-    def _intact(obj: store_pb2.ObjectReplicas, data: object) -> bool:
-        """Whether bytes read match the object's checksum (a mismatch is logged and counted)."""
-        if checksum(data) == obj.checksum:
-            return True
-        metrics.CHECKSUM_FAILURES.labels(obj.replicas[0].medium or "dram").inc()
-        logger.error("store object %s failed its checksum after a read; dropping it (a miss)", obj.key)
-        return False
-
-    async def _read_direct(self, objs: list, index: dict[str, int], out: list[bytes | None], got: list[bool],
-                           corrupt: list[str]) -> list:
-        """Read what shared memory reaches straight into `out`; returns the objects left for staging."""
-        left = []
-        for o in objs:
-            rep = o.replicas[0]
-            try:
-                data = await self.transfer.read_bytes(rep.endpoint.address, rep.endpoint.region, rep.offset, o.size,
-                                                      self.config.transfer_timeout_s)
-            except TransferError as e:
-                logger.info("store get of %s: shared-memory read failed (%s); reading through staging", o.key, e)
-                data = None
-            if data is None:
-                left.append(o)
-            elif self._intact(o, data):
-                _hand_over(o, data, index, out, got)
-            else:
-                corrupt.append(o.key)
-        return left
-
-    async def _read_hinted(self, hinted: list[tuple[str, Hint]]) -> dict[str, bytes]:
-        """Copies from the hinted places that shared memory reaches (unchecked: see _keep_early)."""
-        early: dict[str, bytes] = {}
-        for key, h in hinted:
-            try:
-                data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size,
-                                                      self.config.transfer_timeout_s)
-            except TransferError as e:  # the holder is gone, or its region changed: the lookup decides
-                logger.debug("store get of %s: no early copy from its last place (%s)", key, e)
-                data = None
-            if data is not None:
-                early[key] = data
-        return early
-
-    def _keep_early(self, objs: list, early: dict[str, bytes], index: dict[str, int], out: list[bytes | None],
-                    got: list[bool]) -> list:
-        """Serve the objects whose early copy hashes to the checksum the master just answered (those
-        are the committed bytes); returns the others, to read from the master's answer. A copy that
-        does not match is stale (its place was reused), not corrupt: it is dropped, not counted."""
-        left = []
-        for o in objs:
-            data = early.get(o.key)
-            if data is not None and len(data) == o.size and checksum(data) == o.checksum:
-                _hand_over(o, data, index, out, got)
-                metrics.hinted_read("used").inc()
-            else:
-                if data is not None:
-                    metrics.hinted_read("stale").inc()
-                left.append(o)
-        return left
-
     async def get_into(self, key: str, out: torch.Tensor) -> bool:
-        """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's)."""
+        """Copy the object into `out` (any layout, dtype or device; its bytes must equal the object's).
+        A contiguous CPU tensor is read into directly (reads.py); on False its contents are undefined."""
         return (await self.batch_get_into([key], [out]))[0]
 
     async def batch_get_into(self, keys: Sequence[str], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Like get_into for many keys; one round trip to the master and one data-plane batch per chunk."""
+        """Like get_into for many keys; one round trip to the master per piece, reads pipelined."""
         if len(keys) != len(outs):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output tensors")
+        call = GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), outs=outs)
+        return await self._fetch(call)
 
-        def sink(i: int, off: int, size: int) -> bool:
-            if nbytes_of(outs[i]) != size:
-                logger.warning("store object %s has %d bytes but its output tensor %d; treating it as a miss",
-                               keys[i], size, nbytes_of(outs[i]))
-                return False
-            self.staging.unstage(off, outs[i])
-            return True
-
-        return await self._fetch(keys, sink)
-
-    async def _fetch(self, keys: Sequence[str], sink: Callable[[int, int, int], bool],
-                     out: list[bytes | None] | None = None) -> list[bool]:
-        """Look keys up and read them; with `out`, copies on this host go straight into it."""
-        assert self.staging is not None, "start() first"
-        got = [False] * len(keys)
-        if not keys:
-            return got
-        index = {k: i for i, k in enumerate(keys)}
+    async def _fetch(self, call: GetCall) -> list[bool]:
+        """Look keys up and read them (reads.py moves, checks and hands the bytes over)."""
+        assert self._reader is not None, "start() first"
+        reader, got, index = self._reader, call.got, call.index
         step = max(1, self.config.get_batch_keys)
-        todo = list(keys)
+        todo = list(call.keys)
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
             req = store_pb2.BatchGetReplicasRequest(keys=piece, client_id=self.config.client_id,
                                                     release_lease=release[0], release_keys=release[1])
-            hinted = self._hints.pick(req.keys) if out is not None else []
-            if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
-                lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
-                early = await self._read_hinted(hinted)
-                reply = await lookup
-            else:
-                reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
-            objs = [o for o in reply.objects if o.key in index and o.replicas]
-            self._hints.note_objects(objs)
-            if hinted:
-                objs = self._keep_early(objs, early, index, out, got)  # type: ignore[arg-type]
-            if out is not None:
-                corrupt: list[str] = []
-                objs = await self._read_direct(objs, index, out, got, corrupt)
-                if corrupt:
-                    await self.remove(corrupt)
-            for chunk in self._chunks([o.size for o in objs]):
-                await self._fetch_chunk([objs[j] for j in chunk], index, sink, got)
+            hinted = self._hints.pick(req.keys)
+            async with AsyncExitStack() as stack:  # what early copies landed in is held until they are served
+                if hinted:  # copy from where the objects were last seen while the master answers (hints.py)
+                    lookup = await self._send("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+                    early = await reader.start_early(call, hinted, stack)
+                    reply = await lookup
+                else:
+                    reply = await self._call("BatchGetReplicas", self.stub.BatchGetReplicas, req)
+                objs = [o for o in reply.objects if o.key in index and o.replicas]
+                self._hints.note_objects(objs)
+                if hinted:
+                    objs = await reader.keep_early(call, objs, early)
+            if call.out is not None:
+                objs = await reader.read_direct(call, objs)
+            await reader.read(call, objs)
             # DRAM is short: give this piece's lease back with the next request, so its copies make room
             release = (reply.lease_id, [o.key for o in reply.objects]) if reply.lease_id else (0, [])
             if reply.later_keys:  # what did not fit its owner's DRAM yet comes next, in chain order
@@ -755,36 +758,6 @@ class StoreClient:
         for ok in got:
             metrics.client_op("get", "hit" if ok else "miss").inc()
         return got
-
-    async def _fetch_chunk(self, objs, index: dict[str, int], sink, got: list[bool]) -> None:
-        async with self.staging.lease([o.size for o in objs]) as offsets:
-            todo = list(range(len(objs)))
-            for attempt in range(2):  # a failed read is retried once on each object's next copy
-                ops = []
-                for j in todo:
-                    reps = objs[j].replicas
-                    rep = reps[attempt % len(reps)]
-                    ops.append(TransferOp("read", STAGING_REGION, offsets[j], rep.endpoint.address,
-                                          rep.endpoint.region, rep.offset, objs[j].size))
-                try:
-                    await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
-                    break
-                except TransferError as e:
-                    logger.warning("store get of %d objects failed on the data plane (%s)", len(todo), e)
-                    todo = [j for j in todo if len(objs[j].replicas) > 1]
-                    if attempt or not todo:
-                        return
-            corrupt = []
-            for j in todo:
-                o = objs[j]
-                if not self._intact(o, self.staging.slice(offsets[j], o.size)):
-                    corrupt.append(o.key)
-                    continue
-                if sink(index[o.key], offsets[j], o.size):
-                    got[index[o.key]] = True
-                    metrics.client_bytes("get").inc(o.size)
-        if corrupt:
-            await self.remove(corrupt)
 
     # -- queries ------------------------------------------------------------------------------------
     async def exist(self, key: str) -> bool:
@@ -807,14 +780,6 @@ class StoreClient:
 
     async def pool_stats(self) -> store_pb2.PoolStatsReply:
         return await self._call("PoolStats", self.stub.PoolStats, store_pb2.PoolStatsRequest())
-
-
-def _hand_over(o: store_pb2.ObjectReplicas, data: bytes, index: dict[str, int], out: list[bytes | None],
-               got: list[bool]) -> None:
-    """A checked object's bytes into a get's results."""
-    out[index[o.key]] = data
-    got[index[o.key]] = True
-    metrics.client_bytes("get").inc(o.size)
 
 
 __all__ = ["StoreClient", "StoreClientConfig", "StoreError", "StoreUnavailable"]
