@@ -86,10 +86,13 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def measure_profile(model: str, out: Path, block_size: int, kv_cache_bytes: int) -> Path:
-    """``tools/profile_engine.py --quick`` on the cluster's engine settings (its own process: its torch threads)."""
+def measure_profile(model: str, out: Path, block_size: int, kv_cache_bytes: int, threads: int | None = None) -> Path:
+    """``tools/profile_engine.py --quick`` on the cluster's engine settings (its own process: its torch threads,
+    ``threads`` of them as each live engine gets)."""
     cmd = [sys.executable, str(ROOT / "tools" / "profile_engine.py"), "--quick", "--model", model, "--block-size",
            str(block_size), "--kv-cache-bytes", str(kv_cache_bytes), "--out", str(out)]
+    if threads:
+        cmd += ["--threads", str(threads)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"profile_engine failed: {done.stderr[-2000:]}")
@@ -163,8 +166,13 @@ def wait_serving(conductor: str, prefills: int, decodes: int, deadline: float, p
             time.sleep(0.2)
 
 
-def cluster_env(model: str, block_size: int, kv_cache_bytes: int, heartbeat_s: float) -> dict[str, str]:
+def cluster_env(model: str, block_size: int, kv_cache_bytes: int, heartbeat_s: float,
+                threads: int | None = None) -> dict[str, str]:
+    """The live processes' settings; ``threads``: torch threads per process (OMP_NUM_THREADS), so that engines
+    sharing this machine's cores run at the speed their profile was measured at."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     env.update(MOONCAKED_MODEL=model, MOONCAKED_BLOCK_SIZE=str(block_size),
                MOONCAKED_KV_CACHE_BYTES=str(kv_cache_bytes),
                MOONCAKED_STORE_DRAM_BYTES=str(kv_cache_bytes), MOONCAKED_HEARTBEAT_INTERVAL_S=str(heartbeat_s),
@@ -225,6 +233,21 @@ class Slice:
     time_scale: float = 0.2
     length_scale: float = 0.01
     request_timeout_s: float = 120.0
+
+
+def cut_trace(trace: Path, skip: int, out: Path) -> Path:
+    """The trace from its request ``skip`` on, arrivals rebased to start at 0, written to ``out`` (both sides
+    then read the same file). Later parts of Mooncake's trace share far more prefixes within a short slice
+    (from request 3500, 31 % of 150 requests' blocks repeat an earlier one's; from 0, 8 %)."""
+    if skip <= 0:
+        return trace
+    lines = trace.read_text().splitlines()[skip:]
+    if not lines:
+        raise ValueError(f"--skip {skip}: the trace has only {skip - len(lines)} requests")
+    rows = [json.loads(line) for line in lines if line.strip()]
+    t0 = rows[0]["timestamp"]
+    out.write_text("".join(json.dumps({**r, "timestamp": r["timestamp"] - t0}) + "\n" for r in rows))
+    return out
 
 
 def replay_live(url: str, s: Slice, seed: int = 0) -> dict[str, Any]:
@@ -291,10 +314,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = str(tiny_model(work / "tiny-model")) if args.model == "tiny" else args.model
     t0 = time.perf_counter()
     profile = Path(args.profile) if args.profile else measure_profile(model, work / "profile.json", args.block_size,
-                                                                      args.kv_cache_bytes)
-    s = Slice(args.trace, args.max_requests, args.time_scale, args.length_scale, args.request_timeout)
+                                                                      args.kv_cache_bytes, args.threads)
+    trace = cut_trace(args.trace, args.skip, work / f"trace-from-{args.skip}.jsonl")
+    s = Slice(trace, args.max_requests, args.time_scale, args.length_scale, args.request_timeout)
     sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed)
-    env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval)
+    env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads)
     live: dict[str, dict[str, Any]] = {}
     if args.cluster == "shared":
         with shared_cluster(env, work, args.policy, args.prefill, args.decode) as urls:
@@ -307,7 +331,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 live[p] = replay_live(url, s, seed=args.seed)
             log.info("%s: live hit rate %.3f", p, live[p]["cache_hit_rate"])
     cmp = compare(live, sim)
-    cmp["config"] = {"trace": str(s.trace), "max_requests": s.max_requests, "time_scale": s.time_scale,
+    cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads,
+                     "max_requests": s.max_requests, "time_scale": s.time_scale,
                      "length_scale": s.length_scale, "prefill": args.prefill, "decode": args.decode,
                      "cluster": args.cluster, "model": args.model, "block_size": args.block_size,
                      "kv_cache_bytes": args.kv_cache_bytes, "profile": str(profile), "wall_s": time.perf_counter() - t0,
@@ -318,7 +343,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL trace")
-    ap.add_argument("--max-requests", type=int, default=150, help="the first N requests of the trace")
+    ap.add_argument("--max-requests", type=int, default=150, help="the first N requests of the trace (after --skip)")
+    ap.add_argument("--skip", type=int, default=0, help="start the slice at this request of the trace")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of each live process and of the profile (default: torch's choice)")
     ap.add_argument("--time-scale", type=float, default=0.2, help="arrival time x this, as replay/simulate take it")
     ap.add_argument("--length-scale", type=float, default=0.01, help="lengths and the 512-token block x this")
     ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=BOTH_POLICIES, metavar="NAME",
@@ -345,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_requests = min(args.max_requests, 120)
         args.cluster = args.cluster or "shared"
     args.cluster = args.cluster or "all"
+    if args.skip < 0 or (args.threads is not None and args.threads < 1):
+        ap.error("--skip must be >= 0 and --threads >= 1")
     if args.max_requests < 1 or args.prefill < 1 or args.decode < 1 or args.length_scale <= 0 or args.time_scale < 0:
         ap.error("--max-requests, --prefill, --decode and --length-scale must be positive, --time-scale >= 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -358,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(cmp))
         return 0
     c = cmp["config"]
-    print(f"{c['max_requests']} requests of {Path(c['trace']).name} (time x{c['time_scale']:g}, lengths "
+    print(f"{c['max_requests']} requests of {Path(c['trace']).name} from request {c['skip']} (time x{c['time_scale']:g}, lengths "
           f"x{c['length_scale']:g}), {c['prefill']}P+{c['decode']}D, cluster '{c['cluster']}', model {c['model']}, "
           f"{c['wall_s']:.0f} s")
     print(format_table(cmp))
