@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from replay_vs_sim import (BOTH_POLICIES, Slice, cluster_env, compare, format_table, measure_profile,  # noqa: E402
-                           replay_live, shared_cluster, simulate_slice)
+from replay_vs_sim import (BOTH_POLICIES, Slice, cluster_env, compare, cut_trace, format_table,  # noqa: E402
+                           measure_profile, replay_live, shared_cluster, simulate_slice)
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -45,3 +45,19 @@ def test_live_hit_rates_agree_with_the_simulator_for_every_policy(tiny_model_fac
         assert row["hit_rate_gap"] <= 0.05, (p, row)
     # the slice does share prefixes, and the live cluster finds them
     assert max(r["live"]["cache_hit_rate"] for r in cmp["policies"].values()) > 0.02
+
+
+def test_a_slice_cut_later_in_the_trace_starts_at_zero_and_keeps_its_requests(tmp_path):
+    import json
+
+    from sim.trace import DEFAULT_TRACE, load_trace
+
+    rows = [json.loads(line) for line in DEFAULT_TRACE.read_text().splitlines()]
+    cut = cut_trace(DEFAULT_TRACE, 3500, tmp_path / "cut.jsonl")
+    reqs = load_trace(cut, max_requests=5)
+    assert reqs[0].arrival_s == 0.0
+    assert [r.input_length for r in reqs] == [r["input_length"] for r in rows[3500:3505]]
+    assert reqs[4].arrival_s == (rows[3504]["timestamp"] - rows[3500]["timestamp"]) / 1000.0
+    assert cut_trace(DEFAULT_TRACE, 0, tmp_path / "none.jsonl") == DEFAULT_TRACE
+    with pytest.raises(ValueError, match="only"):
+        cut_trace(DEFAULT_TRACE, len(rows) + 1, tmp_path / "past.jsonl")

@@ -241,9 +241,10 @@ def cut_trace(trace: Path, skip: int, out: Path) -> Path:
     (from request 3500, 31 % of 150 requests' blocks repeat an earlier one's; from 0, 8 %)."""
     if skip <= 0:
         return trace
-    lines = trace.read_text().splitlines()[skip:]
+    every = trace.read_text().splitlines()
+    lines = every[skip:]
     if not lines:
-        raise ValueError(f"--skip {skip}: the trace has only {skip - len(lines)} requests")
+        raise ValueError(f"--skip {skip}: the trace has only {len(every)} requests")
     rows = [json.loads(line) for line in lines if line.strip()]
     t0 = rows[0]["timestamp"]
     out.write_text("".join(json.dumps({**r, "timestamp": r["timestamp"] - t0}) + "\n" for r in rows))
