@@ -14,8 +14,9 @@ fp32: perplexity on a fixed paragraph and greedy agreement over 32 tokens on 16 
 Greedy agreement (the issue's figure) is position-wise over free-running generation: once one
 near-tied token flips, the two continuations differ and later positions rarely agree, so it is
 harsh on a 135M model. ``agreement_prefix`` counts only up to the first divergence;
-``top1_teacher_forced`` (an extra figure, not a substitute) scores fp32's own continuation with
-each path and counts the positions where the path's top-1 token is fp32's.
+``top1_teacher_forced`` (an extra figure, not a substitute) scores fp32's greedy continuations with
+each path and with fp32, in one forward each, and counts the positions where the two top-1 tokens are
+the same: both see the same context, so one flip does not spoil the rest.
 
 ``--device cuda`` measures the GPU path instead (tools/bench_engine_cuda.py): tokens/s at batch 1,
 16 and 64 and the fraction of the HBM roofline.
@@ -89,6 +90,7 @@ def quality(engines: dict, new_tokens: int = 32, num_prompts: int = 16) -> dict[
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True)
     ref_ppl = perplexity(base.score(ids), ids)
     ref = [o.token_ids for o in base.generate(prompts, params)]
+    ref_tops = teacher_forced_tops(base, prompts, ref)
     out = {}
     for name, eng in engines.items():
         ppl = perplexity(eng.score(ids), ids)
@@ -96,19 +98,19 @@ def quality(engines: dict, new_tokens: int = 32, num_prompts: int = 16) -> dict[
         out[name] = {"perplexity": round(ppl, 3), "ppl_ratio": round(ppl / ref_ppl, 4),
                      "agreement": round(greedy_agreement(ref, got), 3),
                      "agreement_prefix": round(greedy_agreement(ref, got, prefix=True), 3),
-                     "top1_teacher_forced": round(teacher_forced_top1(eng, prompts, ref), 3)}
+                     "top1_teacher_forced": round(greedy_agreement(ref_tops, teacher_forced_tops(eng, prompts, ref)),
+                                                  3)}
     return out
 
 
-def teacher_forced_top1(engine, prompts: list[list[int]], continuations: list[list[int]]) -> float:
-    """Share of fp32's greedy tokens that are also ``engine``'s top-1 given fp32's own context."""
-    agree = total = 0
+def teacher_forced_tops(engine, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[int]]:
+    """``engine``'s top-1 token at each position of each continuation, given the prompt and the
+    continuation's earlier tokens (one forward over prompt + continuation)."""
+    tops = []
     for p, c in zip(prompts, continuations, strict=True):
         logits = engine.score(p + c)
-        top = logits[len(p) - 1 : len(p) - 1 + len(c)].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(top, c))
-        total += len(c)
-    return agree / total
+        tops.append(logits[len(p) - 1 : len(p) - 1 + len(c)].argmax(-1).tolist())
+    return tops
 
 
 def _describe(precision) -> dict:
@@ -126,7 +128,7 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU path (tools/bench_engine_cuda.py)")
     ap.add_argument("--peak-gbps", type=float, default=None,
                     help="cuda: the GPU's peak memory bandwidth in GB/s (default: from its name, if known)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (cuda: 1 16 64)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="also run the largest batch with prompts sharing this many leading tokens, already "
                          "cached by earlier traffic (our target workload; generate recomputes them per prompt)")
@@ -144,6 +146,7 @@ def main() -> int:
         from bench_engine_cuda import bench_cuda
 
         return bench_cuda(args)
+    args.batches = args.batches or [1, 16]
 
     from transformers import AutoModelForCausalLM
 
