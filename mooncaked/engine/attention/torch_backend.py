@@ -43,7 +43,7 @@ class TorchAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
-        tables, mask, beyond = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta))  # type: ignore[misc]
+        tables, mask, beyond = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta, q.dtype))  # type: ignore[misc]
         kh, d = self.num_kv_heads, self.head_dim
         # index_select on the block dim is a plain row copy; advanced indexing is several times slower
         flat = tables.reshape(-1)
@@ -63,17 +63,18 @@ class TorchAttention:
         return o.reshape(nd, self.num_heads, d)
 
     @staticmethod
-    def _decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per step, for every layer: the block tables, the [nd, 1, 1, L] mask of real positions, and
-        the rows (of the gathered [nd * L] positions) past each sequence's length."""
+    def _decode_index(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per step, for every layer: the block tables, the [nd, 1, 1, L] additive mask (-inf past each
+        sequence's length), and those rows' indices in the gathered [nd * L] positions."""
         nd = meta.num_decodes
         ctx = meta.context_lens[:nd]
         max_blocks = -(-max(meta.ctx_lens[:nd]) // meta.block_size)
         tables = meta.block_tables[:nd, :max_blocks].long()
         positions = torch.arange(max_blocks * meta.block_size, device=ctx.device)
-        real = positions[None, :] < ctx[:, None]  # [nd, L]
-        beyond = (~real).reshape(-1).nonzero().squeeze(1)
-        return tables, real[:, None, None, :], beyond
+        beyond = positions[None, :] >= ctx[:, None]  # [nd, L]
+        # an additive mask: SDPA turns a boolean one into this on every call (every layer)
+        mask = torch.zeros(beyond.shape, dtype=dtype, device=ctx.device).masked_fill_(beyond, float("-inf"))
+        return tables, mask[:, None, None, :], beyond.reshape(-1).nonzero().squeeze(1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, i: int, ql: int, cl: int) -> torch.Tensor:
