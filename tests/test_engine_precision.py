@@ -57,7 +57,7 @@ def test_auto_on_a_gpu_keeps_the_models_dtype():
 
 def test_auto_engine_follows_this_cpu(tiny_model_factory):
     _, folder = tiny_model_factory("llama")
-    engine = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=4 << 20)
+    engine = Engine.from_pretrained(folder, dtype="auto", block_size=4, kv_cache_bytes=4 << 20)  # as the CLI passes it
     want = "bf16" if native_bf16(cpu_flags()) else "none"
     assert (engine.precision.dtype, engine.precision.weights) == (torch.float32, want)
     has_bf16 = any(isinstance(m, Bf16Linear) for m in engine.runner.model.modules())
