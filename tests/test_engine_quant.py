@@ -24,6 +24,7 @@ BOUND = {"int8": 0.05, "int4": 0.5}
 
 
 def _engine(folder, **kw) -> Engine:
+    kw.setdefault("dtype", "float32")  # fp32 activations; the reference (quantize none) is the exact path
     return Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=4 << 20, **kw)
 
 
@@ -75,7 +76,7 @@ def test_quality_measures():
 
 def test_bad_quantize_values_are_clear(tiny_model_factory):
     _, folder = tiny_model_factory("llama")
-    with pytest.raises(ConfigError, match="quantize must be one of none, int8, int4"):
+    with pytest.raises(ConfigError, match="quantize must be one of none, bf16, int8, int4"):
         _engine(folder, quantize="int3")
     with pytest.raises(SettingsError, match="quantize"):
         _settings(["--quantize", "fp8"])

@@ -380,7 +380,8 @@ def test_our_engine_serves_a_gguf_file_like_transformers(tmp_path: Path, bpe: To
 
     model = tiny_llama()
     path = write_gguf(tmp_path / "m.gguf", model, bpe_vocab)
-    engine = Engine.from_pretrained(path, cache_dir=tmp_path / "cache", block_size=4, kv_cache_bytes=4 << 20)
+    engine = Engine.from_pretrained(path, cache_dir=tmp_path / "cache", dtype="float32", block_size=4,
+                                    kv_cache_bytes=4 << 20)
     ids = bpe.encode(PROMPT).ids
     torch.testing.assert_close(engine.score(ids, chunk_size=5), hf_logits(model, bpe)[0], rtol=1e-4, atol=1e-4)
     with torch.no_grad():

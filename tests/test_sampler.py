@@ -102,7 +102,7 @@ def test_bad_settings_are_refused(kw, what):
 
 def test_greedy_with_repetition_penalty_matches_transformers(tiny_model_factory):
     hf, folder = tiny_model_factory("llama")
-    engine = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=4 << 20)
+    engine = Engine.from_pretrained(folder, dtype="float32", block_size=4, kv_cache_bytes=4 << 20)
     prompts = random_prompts([9, 17], seed=30)
     plain = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     outs = engine.generate(prompts, [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3),

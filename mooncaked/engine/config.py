@@ -34,14 +34,15 @@ class ConfigError(ValueError):
     """A model config that cannot be served; the message names the field."""
 
 
-def parse_dtype(name: str | torch.dtype | None, default: torch.dtype = torch.float32) -> torch.dtype:
-    if name is None:
-        return default
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """A dtype's name as torch's dtype; None or "auto" is None (engine/precision.py decides)."""
+    if name is None or name == "auto":
+        return None
     if isinstance(name, torch.dtype):
         return name
     key = str(name).removeprefix("torch.")
     if key not in _DTYPES:
-        raise ConfigError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+        raise ConfigError(f"unknown dtype {name!r}; expected auto or one of {sorted(_DTYPES)}")
     return _DTYPES[key]
 
 
@@ -125,7 +126,7 @@ class ModelConfig:
             tie_word_embeddings=f.flag("tie_word_embeddings", False),
             attention_bias=f.flag("attention_bias", default_bias),
             qk_norm=qk_norm,
-            dtype=parse_dtype(f.text("torch_dtype") or f.text("dtype")),
+            dtype=parse_dtype(f.text("torch_dtype") or f.text("dtype")) or torch.float32,
             bos_token_id=bos,
             eos_token_ids=tuple(eos_list),
             sliding_window=window,
@@ -204,7 +205,7 @@ class EngineConfig:
     """How an engine runs a model: where, in what precision, and with how much KV memory."""
 
     device: str = "cpu"
-    dtype: torch.dtype | None = None  # None: the model's own dtype (float32 on CPU for half models)
+    dtype: torch.dtype | None = None  # None: auto (engine/precision.py: fp32 + bf16 weights on a native-bf16 CPU)
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 1 GiB on CPU
     gpu_memory_fraction: float = 0.85
@@ -215,7 +216,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0
     record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
-    quantize: str = "none"  # "none" | "int8" | "int4": weight-only quantized linear layers (CPU; engine/quant.py)
+    quantize: str = "none"  # "none" | "bf16" | "int8" | "int4": the linear layers' weights (CPU; engine/quant.py)
     pipeline_stage: tuple[int, int] | None = None  # (K, N): stage K of an N-stage CPP group (engine/stage.py)
 
     def __post_init__(self) -> None:

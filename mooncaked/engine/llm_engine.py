@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from mooncaked.engine.block_manager import BlockManager
-from mooncaked.engine.config import EngineConfig, ModelConfig, parse_dtype
+from mooncaked.engine.config import EngineConfig, parse_dtype
+from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
 from mooncaked.engine.model_runner import ModelRunner, stage_config
@@ -124,7 +125,8 @@ class Engine:
         self.model_config, _ = read_model_config(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         device = torch.device(config.device)
-        self.dtype = self._pick_dtype(self.model_config, config, device)
+        self.precision = pick_precision(config.dtype, config.quantize, device, self.model_config.dtype, cpu_flags())
+        self.dtype = self.precision.dtype
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             # we do not implement windowed attention: stay inside the window, where it is exact
@@ -138,7 +140,7 @@ class Engine:
         pool = None
         if kv_pool_alloc is not None:
             pool = kv_pool_alloc(num_blocks * bytes_per_block(kv_cfg, config.block_size, self.dtype))
-        self.runner = ModelRunner(self.model_config, config, model_dir, self.dtype, num_blocks, self.max_model_len,
+        self.runner = ModelRunner(self.model_config, config, model_dir, self.precision, num_blocks, self.max_model_len,
                                   pool, self.stage)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.hash_seed,
                                           config.enable_prefix_caching, record_events=config.record_kv_events)
@@ -178,17 +180,9 @@ class Engine:
                         **engine_kwargs) -> "Engine":
         """Load ``model`` ("default", an HF folder or a .gguf file) from disk; nothing is downloaded."""
         model_dir = resolve_model_dir(model, cache_dir)
-        cfg = EngineConfig(device=device, dtype=parse_dtype(dtype) if dtype is not None else None,
+        cfg = EngineConfig(device=device, dtype=parse_dtype(dtype),
                            block_size=block_size, kv_cache_bytes=kv_cache_bytes, **engine_kwargs)
         return cls(model_dir, cfg, kv_pool_alloc)
-
-    @staticmethod
-    def _pick_dtype(mcfg: ModelConfig, cfg: EngineConfig, device: torch.device) -> torch.dtype:
-        if cfg.dtype is not None:
-            return cfg.dtype
-        if device.type == "cpu" and mcfg.dtype != torch.float32:
-            return torch.float32  # CPU half-precision matmuls are slow and inexact without native support
-        return mcfg.dtype
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)

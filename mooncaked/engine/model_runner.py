@@ -19,6 +19,7 @@ from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
+from mooncaked.engine.precision import Precision
 from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
@@ -48,13 +49,13 @@ def stage_config(cfg: ModelConfig, stage: PipelineStage) -> ModelConfig:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, model_dir, dtype: torch.dtype,
+    def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, model_dir, precision: Precision,
                  num_blocks: int, max_model_len: int, kv_pool: torch.Tensor | None = None,
                  stage: PipelineStage | None = None) -> None:
         self.cfg = model_cfg
         self.stage = stage or PipelineStage.of(0, 1, model_cfg.num_layers)
         self.device = torch.device(engine_cfg.device)
-        self.dtype = dtype
+        self.dtype = dtype = precision.dtype
         self.block_size = engine_cfg.block_size
         self.eos_token_ids: frozenset[int] = frozenset(model_cfg.eos_token_ids)
         scale = model_cfg.head_dim ** -0.5
@@ -65,15 +66,15 @@ class ModelRunner:
             self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len, self.stage).to(dtype)
         self.model.rope.float()
         load_weights(self.model, model_cfg, model_dir, dtype)
-        if engine_cfg.quantize != "none":
-            n = quantize_model(self.model, engine_cfg.quantize)
-            log.info("model runner: %d linear layers quantized to %s", n, engine_cfg.quantize)
+        if precision.weights != "none":
+            n = quantize_model(self.model, precision.weights)
+            log.info("model runner: %d linear layers hold %s weights", n, precision.weights)
         self.model.eval()
         self.kv = KVCache.allocate(stage_config(model_cfg, self.stage), num_blocks, self.block_size, dtype,
                                    self.device, kv_pool)
         self.kv_layers = self.kv.layers()
-        log.info("model runner: %s on %s (%s), attention=%s", model_cfg.architecture, self.device, dtype,
-                 self.backend.name)
+        log.info("model runner: %s on %s (%s, %s weights: %s), attention=%s", model_cfg.architecture, self.device,
+                 dtype, precision.weights, precision.reason, self.backend.name)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], layer_hook: LayerHook | None = None,

@@ -1,5 +1,8 @@
 """Weight-only quantization of the model's linear layers, done at load time (no new file format).
 
+Modes: "bf16" (engine/bf16_weights.py: bf16 weights, fp32 for the head's best candidates), "int8",
+"int4" (here).
+
 Why: a CPU decode step is bound by the bytes of weights it reads; int8 reads a quarter of fp32's,
 int4 (groups of 32) about a sixth. The kernels are torch's own (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`, as gpt-fast uses them); on AVX2 they are fast only with bf16
@@ -16,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_MODES: tuple[str, ...] = ("none", "int8", "int4")
+QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4")
 INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
 # rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
 SMALL_M = {"int8": 64, "int4": 64}
@@ -105,6 +109,8 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) ->
     how many. The embedding stays as it is: a tied lm_head gets its own quantized copy."""
     if mode == "none":
         return 0
+    if mode == "bf16":
+        return _bf16_weights(model)
     count = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -117,6 +123,18 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) ->
                             name, child_name, child.in_features, INT4_GROUP)
                 continue
             setattr(module, child_name, QuantLinear(child, mode))
+            count += 1
+    return count
+
+
+def _bf16_weights(model: nn.Module) -> int:
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
+            setattr(module, name, CandidateHead(child) if name == "lm_head" else Bf16Linear(child))
             count += 1
     return count
 

@@ -43,33 +43,38 @@ class TorchAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
-        tables, mask = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta))  # type: ignore[misc]
+        tables, mask, beyond = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta, q.dtype))  # type: ignore[misc]
         kh, d = self.num_kv_heads, self.head_dim
-        # [nd, blocks, bs, Hkv, D] -> [nd, Hkv, L, D]
         # index_select on the block dim is a plain row copy; advanced indexing is several times slower
         flat = tables.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(nd, -1, kh, d).transpose(1, 2)
+        keys = k_cache.index_select(0, flat).view(-1, kh, d)  # [nd * L, Hkv, D], our own copy
+        values = v_cache.index_select(0, flat).view(-1, kh, d)
         # slots past a sequence's length (the rest of its last block, padding) hold whatever a freed block
         # held: a masked score still multiplies its value, and 0 * NaN is NaN, so one request's broken KV
-        # would poison every later request handed its blocks. Zero them.
-        beyond = ~mask.view(nd, 1, -1, 1)
-        keys = keys.masked_fill(beyond, 0)
-        values = values.masked_fill(beyond, 0)
-        # the query heads sharing a KV head become that head's "query positions"
+        # would poison every later request handed its blocks. Zero them (only those rows: a masked_fill
+        # over the whole gathered copy cost 3x the attention itself).
+        keys.index_fill_(0, beyond, 0)
+        values.index_fill_(0, beyond, 0)
+        # [nd * L, Hkv, D] -> [nd, Hkv, L, D]; the query heads sharing a KV head become its "query positions"
+        keys = keys.view(nd, -1, kh, d).transpose(1, 2)
+        values = values.view(nd, -1, kh, d).transpose(1, 2)
         qg = q.view(nd, kh, self.group, d)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return o.reshape(nd, self.num_heads, d)
 
     @staticmethod
-    def _decode_index(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_index(meta: AttentionMetadata, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per step, for every layer: the block tables, the [nd, 1, 1, L] additive mask (-inf past each
+        sequence's length), and those rows' indices in the gathered [nd * L] positions."""
         nd = meta.num_decodes
         ctx = meta.context_lens[:nd]
         max_blocks = -(-max(meta.ctx_lens[:nd]) // meta.block_size)
         tables = meta.block_tables[:nd, :max_blocks].long()
         positions = torch.arange(max_blocks * meta.block_size, device=ctx.device)
-        mask = (positions[None, :] < ctx[:, None])[:, None, None, :]  # [nd, 1, 1, L]
-        return tables, mask
+        beyond = positions[None, :] >= ctx[:, None]  # [nd, L]
+        # an additive mask: SDPA turns a boolean one into this on every call (every layer)
+        mask = torch.zeros(beyond.shape, dtype=dtype, device=ctx.device).masked_fill_(beyond, float("-inf"))
+        return tables, mask[:, None, None, :], beyond.reshape(-1).nonzero().squeeze(1)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, i: int, ql: int, cl: int) -> torch.Tensor:

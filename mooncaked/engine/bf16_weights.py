@@ -1,0 +1,86 @@
+"""bf16 weights under an fp32 model: the CPU path where the CPU multiplies bf16 natively.
+
+Why this shape (measured on the default model, docs/performance.md "Engine"): bf16 GEMMs on an
+AVX512-BF16 CPU are 2-3x fp32's and read half the bytes, but the whole model in bf16 flips a third
+of the greedy tokens of a 135M model. Two places carry the error: the residual stream (kept fp32
+here: only the linear layers' inputs are rounded to bf16, their outputs come back as fp32) and the
+vocabulary head, where near-tied logits decide the token. The head scores the whole vocabulary in
+bf16 and then recomputes its ``CANDIDATES`` best in fp32 from the fp32 weights, so the greedy choice
+is fp32's unless fp32's best token is not among bf16's top candidates.
+
+The weights are handed to oneDNN once, in its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``,
+what inductor's CPU freezing does): a plain-layout bf16 GEMM re-packs its weight on every call, which
+at a decode step's few rows doubled the time of every linear layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# bf16 logits of this model are off by ~0.1 at most; the 16 best cover every near tie we saw
+CANDIDATES = 16
+# rows the packed layout is tuned for (measured: any of 1, 16 or none gives decode steps 1.5-2x a plain GEMM)
+PACK_ROWS = 16
+
+
+class PackedBf16:
+    """A bf16 weight [N, K] as oneDNN's pre-packed operand (plain ``F.linear`` where torch has no oneDNN)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        self.out_features = w.shape[0]
+        self.packed = None
+        if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        self.plain = None if self.packed is not None else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., K] (any float dtype) times the weight, as bf16 [..., N]."""
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        else:
+            y = F.linear(x2, self.plain)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class Bf16Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` (forward only): bf16 weights, input rounded to bf16, output in
+    ``out_dtype`` (default: the layer's own dtype; the bias is added there)."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = out_dtype or linear.weight.dtype
+        self.weight = PackedBf16(linear.weight)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight(x).to(self.out_dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class CandidateHead(nn.Module):
+    """The vocabulary head: bf16 logits for every token, fp32 for the ``k`` best of them.
+
+    Holds a bf16 copy of the head's weights and shares the fp32 ones (with the embedding when tied),
+    reading only ``k`` rows of them per token."""
+
+    def __init__(self, linear: nn.Linear, k: int = CANDIDATES) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("a vocabulary head with a bias is not supported")
+        self.weight = linear.weight  # fp32, shared
+        self.weight_bf16 = PackedBf16(linear.weight)
+        self.k = min(k, linear.out_features)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = h.shape
+        h2 = h.reshape(-1, shape[-1])
+        logits = self.weight_bf16(h2).float()
+        top = logits.topk(self.k, dim=-1).indices  # [T, k]
+        rows = self.weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # [T, k, D]
+        exact = torch.bmm(rows, h2.float().unsqueeze(-1)).squeeze(-1)
+        return logits.scatter_(-1, top, exact).reshape(*shape[:-1], -1)

@@ -1,0 +1,78 @@
+"""Which precision an engine runs in: the activations' dtype and how the linear layers hold weights.
+
+Why a decision of its own: on a CPU a decode step is bound by the bytes of weights it reads, and the
+fastest path depends on the machine. Where the CPU multiplies bf16 natively (AVX512-BF16 or AMX),
+bf16 weights halve the bytes and run the GEMMs 2-3x faster than fp32; where it does not, torch
+emulates bf16 and is slower than fp32, so the default there stays fp32. We read the CPU's flags,
+never assume them. ``--dtype float32`` always keeps the exact path (the one equal to transformers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# x86 flags (as /proc/cpuinfo spells them) of native bf16 dot products; both measured fast with torch's oneDNN GEMMs
+NATIVE_BF16_FLAGS: frozenset[str] = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class Precision:
+    """``dtype``: activations, residual stream, norms, attention and KV cache. ``weights``: how the
+    linear layers hold theirs (engine/quant.py: "none" = in ``dtype``; "bf16", "int8", "int4")."""
+
+    dtype: torch.dtype
+    weights: str
+    reason: str  # why, for the log line a user reads
+
+    @property
+    def exact(self) -> bool:
+        return self.dtype == torch.float32 and self.weights == "none"
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags (Linux x86: the first ``flags`` line); empty where they cannot be read."""
+    try:
+        with cpuinfo.open() as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError as e:
+        log.info("cannot read %s (%s): assuming no native bf16", cpuinfo, e)
+    return frozenset()
+
+
+def native_bf16(flags: Iterable[str]) -> bool:
+    """Whether a CPU with these flags multiplies bf16 natively."""
+    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
+
+
+def pick_precision(requested: torch.dtype | None, quantize: str, device: torch.device,
+                   model_dtype: torch.dtype, flags: Iterable[str]) -> Precision:
+    """``requested`` None is auto. Pure (the CPU's flags are an argument), so it is tested on any machine.
+
+    - any device, a dtype requested: that dtype, with the weights ``quantize`` says;
+    - GPU, auto: the model's own dtype;
+    - CPU, auto: fp32 activations; the weights ``quantize`` says, or bf16 where the CPU has native
+      bf16 (the fastest path that kept the quality bar, docs/performance.md "Engine"), else fp32.
+    """
+    if requested is not None:
+        return Precision(requested, quantize, f"dtype {_name(requested)} requested")
+    if device.type != "cpu":
+        return Precision(model_dtype, quantize, f"the model's own dtype on {device.type}")
+    if quantize != "none":
+        return Precision(torch.float32, quantize, f"{quantize} weights requested")
+    if native_bf16(flags):
+        found = ", ".join(sorted(NATIVE_BF16_FLAGS.intersection(flags)))
+        return Precision(torch.float32, "bf16", f"auto: the CPU has native bf16 ({found})")
+    return Precision(torch.float32, "none", "auto: the CPU has no native bf16 (AVX512-BF16 or AMX)")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
