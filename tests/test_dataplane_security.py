@@ -26,7 +26,8 @@ from mooncaked.transfer import PeerUnavailableError, TransferEngine, TransferErr
 from mooncaked.transfer.api import parse_address
 from mooncaked.transfer.conn_guard import ConnLimits
 from mooncaked.transfer.handshake import AUTH_MAGIC, CHALLENGE_BYTES, client_handshake, open_socket
-from mooncaked.transfer.shm import SHM_DIR, SHM_PREFIX, ShmAttachments
+from mooncaked.transfer.shm import ShmAttachments
+from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX
 from mooncaked.transfer.wire import REQ, RESP, Op, pack_request as pack_transfer
 
 pytestmark = pytest.mark.timeout(120)

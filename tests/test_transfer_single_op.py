@@ -30,7 +30,8 @@ from mooncaked.transfer import (
     TransferTimeoutError,
     UnknownRegionError,
 )
-from mooncaked.transfer.shm import SHM_DIR, SHM_PREFIX, ShmAttachments
+from mooncaked.transfer.shm import ShmAttachments
+from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX
 
 KiB, MiB = 1024, 1024 * 1024
 SLOT = 512 * KiB  # the store's object size in the latency benchmark

@@ -31,7 +31,7 @@ from mooncaked.conductor.engine_link import (CANCELLED, DEADLINE, EXHAUSTED, INV
                                              UNAVAILABLE, EngineError, EngineLink, PrefillResult, Reservation,
                                              StageOpen, StageOpened, TransferEndpoint)
 from mooncaked.engine import Output, RequestError, SamplingParams
-from mooncaked.engine.llm_engine import PREFILLED, EngineStoppedError
+from mooncaked.engine.llm_engine import EngineStoppedError
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.prefill import first_token_result

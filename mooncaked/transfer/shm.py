@@ -31,14 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
-from mooncaked.transfer.host import host_id  # noqa: F401 - re-exported: peers compare it
-from mooncaked.transfer.shm_files import (  # noqa: F401 - SHM_DIR, SHM_PREFIX re-exported
-    SEGMENT_MODE,
-    SHM_DIR,
-    SHM_PREFIX,
-    check_private,
-    segment_path as _path,
-)
+from mooncaked.transfer.shm_files import SEGMENT_MODE, SHM_DIR, SHM_PREFIX, check_private, segment_path as _path
 
 logger = logging.getLogger(__name__)
 

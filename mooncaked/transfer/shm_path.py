@@ -20,7 +20,8 @@ import torch
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, TransferError, TransferOp, UnknownRegionError, check_bounds
 from mooncaked.transfer.regions import RegionTable
-from mooncaked.transfer.shm import Attachment, ShmAttachments, host_id, shm_available
+from mooncaked.transfer.host import host_id
+from mooncaked.transfer.shm import Attachment, ShmAttachments, shm_available
 
 logger = logging.getLogger(__name__)
 

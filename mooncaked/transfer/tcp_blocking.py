@@ -30,7 +30,7 @@ from mooncaked.transfer.api import (
     parse_address,
 )
 from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, blocking_client_handshake
-from mooncaked.transfer.tcp_client import WireOp
+from mooncaked.transfer.tcp_client import WireOp, stripe
 from mooncaked.transfer.wire import MAX_ERROR_BYTES, RESP, Op, Status, error_from_status, pack_request, unpack_response
 
 logger = logging.getLogger(__name__)
@@ -199,17 +199,6 @@ class BlockingPool:
             self._idle.clear()
 
 
-def stripe(lengths: list[int], lanes: int) -> list[list[int]]:
-    """Op indices per lane: biggest first onto the least loaded, each lane in submission order."""
-    load = [0] * lanes
-    out: list[list[int]] = [[] for _ in range(lanes)]
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        k = load.index(min(load))
-        load[k] += lengths[i]
-        out[k].append(i)
-    return [sorted(lane) for lane in out if lane]
-
-
 class BlockingBatch:
     """One batch striped over up to `lanes` connections of a pool, each lane on an executor thread;
     `on_done` gets every op's outcome once the last lane finished. `cancel` aborts its connections."""
@@ -219,7 +208,7 @@ class BlockingBatch:
         self._pool = pool
         self._ops = ops
         self._timeout_s = timeout_s
-        self._lanes = stripe([op.length for op in ops], max(1, min(lanes, len(ops))))
+        self._lanes = [lane for lane in stripe([op.length for op in ops], [0] * max(1, min(lanes, len(ops)))) if lane]
         self._on_done = on_done
         self._results: list[Result] = [None] * len(ops)
         self._left = len(self._lanes)

@@ -361,3 +361,18 @@ class ClientConnection(asyncio.BufferedProtocol):
             if not p.future.done():
                 p.future.set_exception(self._error)
         self._on_closed(self)
+
+
+def stripe(lengths: list[int], load: list[int]) -> list[list[int]]:
+    """Op indices per lane (one lane per entry of ``load``, the bytes each already carries): biggest
+    first onto the least loaded, each lane in submission order. Shared by the asyncio pool and the I/O
+    process's blocking lanes, so both split a batch alike."""
+    load = list(load)
+    lanes: list[list[int]] = [[] for _ in load]
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = load.index(min(load))
+        load[k] += lengths[i]
+        lanes[k].append(i)
+    for lane in lanes:
+        lane.sort()
+    return lanes

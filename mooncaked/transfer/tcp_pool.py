@@ -21,7 +21,7 @@ from mooncaked.transfer.api import PeerInfo, PeerUnavailableError, TransferError
 from mooncaked.transfer.conn_guard import CLIENT_IDLE_CLOSE_S
 from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 from mooncaked.transfer.ratelimit import TokenBucket
-from mooncaked.transfer.tcp_client import ClientConnection, WireOp
+from mooncaked.transfer.tcp_client import ClientConnection, WireOp, stripe
 from mooncaked.transfer.wire import Op, decode_info
 
 if TYPE_CHECKING:  # regions.py imports torch; the transfer I/O process (io_worker.py) runs without it
@@ -130,7 +130,7 @@ async def run_ops(pool: PeerPool, ops: list[WireOp], timeout_s: float) -> list[B
     batch. Cancellation aborts the connections that had ops in flight.
     """
     conns = await pool.connections()
-    lanes = _stripe(conns, ops)
+    lanes = stripe([op.length for op in ops], [c.outstanding_bytes for c in conns])  # others' unanswered bytes count
     results: list[BaseException | bytes | None] = [None] * len(ops)
     busy = [(c, lane) for c, lane in zip(conns, lanes, strict=True) if lane]
     if len(busy) == 1:  # e.g. one connection per peer: no task and no gather for a single lane
@@ -138,23 +138,6 @@ async def run_ops(pool: PeerPool, ops: list[WireOp], timeout_s: float) -> list[B
     else:
         await asyncio.gather(*(_run_lane(c, lane, ops, timeout_s, results) for c, lane in busy))
     return results
-
-
-def _stripe(conns: list[ClientConnection], ops: list[WireOp]) -> list[list[int]]:
-    """Op indices per connection: biggest first onto the least loaded, each
-    lane in submission order. Other submits' unanswered bytes count as load."""
-    load = [c.outstanding_bytes for c in conns]
-    lanes: list[list[int]] = [[] for _ in conns]
-    if len(ops) == 1:
-        lanes[load.index(min(load))].append(0)
-        return lanes
-    for i in sorted(range(len(ops)), key=lambda i: -ops[i].length):
-        k = load.index(min(load))
-        load[k] += ops[i].length
-        lanes[k].append(i)
-    for lane in lanes:
-        lane.sort()
-    return lanes
 
 
 async def _run_lane(
