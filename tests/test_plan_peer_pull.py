@@ -199,6 +199,11 @@ async def test_a_hot_prefix_is_replicated_into_the_pool_with_a_soft_pin_and_a_co
             assert all(k in objects and objects[k].committed and objects[k].soft_pin for k in keys)
         else:  # used for this request only: not copied into the pool, nothing pinned
             assert not any(k in objects for k in keys)
+        # nor kept in P2's own prefix cache (P1 still holds it), and the conductor's index says so
+        bm = p2.engine.block_manager
+        assert await p2.engine.call(bm.cached_prefix_len, hashes[:FULL]) == (FULL if hot else 0)
+        await cluster.beat()
+        assert cluster.conductor.index.match(hashes).get("p2", 0) == (FULL if hot else 0)
     finally:
         await store.close()
         await runner.stop()

@@ -225,3 +225,40 @@ def test_a_measured_engine_profile_drives_the_simulator(tiny_model_factory, tmp_
     # prompts clipped to the model's 512-token context, as replay fits them
     assert report["policies"]["mooncake"]["prompt_tokens"] <= 120 * 511
     assert report["policies"]["mooncake"]["cache_hit_rate"] >= report["policies"]["round_robin"]["cache_hit_rate"]
+
+
+def test_instances_on_shared_cores_slow_each_other_down(simulate):
+    """Two prompts at once on two prefill instances: on machines of their own each takes its profiled
+    time; on one shared core (one thread each) they compute side by side at half speed, so both finish
+    at twice that; once the first one alone is left on the core it runs at full speed again."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from mooncaked.conductor.cost_model import A800_LLAMA2_70B as prof
+    from mooncaked.conductor.policies import make_policy
+    from sim.engine import SimConfig, Simulation
+    from sim.trace import TraceRequest
+
+    n = 8 * prof.block_size
+    alone = prof.prefill_s(n, 0)
+    trace = [TraceRequest(0, 0.0, n, 1, tuple(range(8))), TraceRequest(1, 0.0, n, 1, tuple(range(100, 108)))]
+
+    def ttfts(**kw) -> list[float]:
+        cfg = SimConfig(prefill=2, decode=1, profile=prof, noise=0.0, heterogeneity=0.0, **kw)
+        sim = Simulation(trace, cfg, make_policy("round_robin"))
+        sim.run()
+        return [o.ttft_s for o in sim.outcomes]
+
+    assert ttfts() == pytest.approx([alone, alone])
+    assert ttfts(shared_cores=2) == pytest.approx([alone, alone])  # a core each: no sharing
+    assert ttfts(shared_cores=1) == pytest.approx([2 * alone, 2 * alone])
+    assert ttfts(shared_cores=2, instance_threads=2) == pytest.approx([2 * alone, 2 * alone])
+    # staggered: the second starts halfway through the first, which then finishes its half at half speed
+    late = [trace[0], TraceRequest(1, alone / 2, 2 * n, 1, tuple(range(100, 116)))]
+    cfg = SimConfig(prefill=2, decode=1, profile=prof, noise=0.0, heterogeneity=0.0, shared_cores=1)
+    sim = Simulation(late, cfg, make_policy("round_robin"))
+    sim.run()
+    first, second = (o.ttft_s for o in sim.outcomes)
+    assert first == pytest.approx(alone / 2 + alone)  # half alone, the other half at half speed
+    work_left = prof.prefill_s(2 * n, 0) - alone / 2  # the second's work after sharing with the first
+    assert second == pytest.approx(alone + work_left)
+    with pytest.raises(ValueError, match="shared cores"):
+        Simulation(trace, SimConfig(prefill=2, decode=1, profile=prof, shared_cores=0), make_policy("round_robin"))

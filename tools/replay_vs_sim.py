@@ -262,14 +262,16 @@ def replay_live(url: str, s: Slice, seed: int = 0) -> dict[str, Any]:
 
 
 def simulate_slice(profile: Path, s: Slice, policies: list[str], prefills: int = 2, decodes: int = 2,
-                   seed: int = 0) -> dict[str, dict[str, Any]]:
+                   seed: int = 0, shared_cores: float | None = None, threads: int = 1) -> dict[str, dict[str, Any]]:
     """``tools/simulate.py --profile PROFILE --no-early-rejection --heterogeneity 0`` on the slice: {policy:
-    its JSON figures}. The live instances run one model on one machine: no speed heterogeneity."""
+    its JSON figures}. The live instances run one model on one machine: no speed heterogeneity; with
+    ``shared_cores`` they share that many cores, ``threads`` torch threads each, as they do live."""
     args = simulate_tool.parser().parse_args([])  # every flag at its default, then this slice's
     vars(args).update(trace=s.trace, max_requests=s.max_requests, time_scale=s.time_scale,
                       length_scale=s.length_scale, prefill=prefills, decode=decodes, profile=str(profile),
                       policy=policies, ttft_slo=30.0, tbt_slo=0.1, no_early_rejection=True, noise=0.05,
-                      heterogeneity=0.0, seed=seed, seeds=1)
+                      heterogeneity=0.0, seed=seed, seeds=1, shared_cores=shared_cores,
+                      instance_threads=threads)
     return {r.policy: r.as_json() for r in simulate_tool.run(args)}
 
 
@@ -318,7 +320,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                       args.kv_cache_bytes, args.threads)
     trace = cut_trace(args.trace, args.skip, work / f"trace-from-{args.skip}.jsonl")
     s = Slice(trace, args.max_requests, args.time_scale, args.length_scale, args.request_timeout)
-    sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed)
+    cores = args.sim_cores if args.sim_cores is not None else float(os.cpu_count() or 1)
+    threads = args.threads or int(os.cpu_count() or 1)  # torch's default: a thread per core
+    sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed, cores or None, threads)
     env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads)
     live: dict[str, dict[str, Any]] = {}
     if args.cluster == "shared":
@@ -332,7 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 live[p] = replay_live(url, s, seed=args.seed)
             log.info("%s: live hit rate %.3f", p, live[p]["cache_hit_rate"])
     cmp = compare(live, sim)
-    cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads,
+    cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads, "sim_shared_cores": cores,
                      "max_requests": s.max_requests, "time_scale": s.time_scale,
                      "length_scale": s.length_scale, "prefill": args.prefill, "decode": args.decode,
                      "cluster": args.cluster, "model": args.model, "block_size": args.block_size,
@@ -348,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=0, help="start the slice at this request of the trace")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of each live process and of the profile (default: torch's choice)")
+    ap.add_argument("--sim-cores", type=float, default=None,
+                    help="cores the simulated instances share, as the live ones share this host's (default: this "
+                         "machine's count; 0: each simulated instance on a machine of its own)")
     ap.add_argument("--time-scale", type=float, default=0.2, help="arrival time x this, as replay/simulate take it")
     ap.add_argument("--length-scale", type=float, default=0.01, help="lengths and the 512-token block x this")
     ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=BOTH_POLICIES, metavar="NAME",

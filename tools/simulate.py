@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> list[PolicyResult]:
                     cache_blocks=args.cache_blocks, kv_capacity_tokens=args.kv_capacity_tokens,
                     length_scale=args.length_scale, pipeline_groups=args.pipeline_groups,
                     pipeline_stages=args.pipeline_stages, cpp_chunk_tokens=args.cpp_chunk_tokens,
-                    cpp_group_pulls=args.cpp_group_pulls)
+                    cpp_group_pulls=args.cpp_group_pulls, shared_cores=args.shared_cores,
+                    instance_threads=args.instance_threads)
     log.info("%d requests over %.0f s; %d prefill (%s) + %d decode instances, profile %s", len(trace),
              trace[-1].arrival_s - trace[0].arrival_s, args.prefill, shape_text(args), args.decode, cfg.profile.name)
     results = []
@@ -114,6 +115,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpp-group-pulls", action="store_true",
                     help="let CPP groups pull prefix blocks from the pool (the live router does not yet: a group "
                          "reuses its stages' own caches only)")
+    ap.add_argument("--shared-cores", type=float, default=None,
+                    help="every instance on one host with this many cores, as `mooncaked --role all` runs them "
+                         "(busy instances share them; default: each instance on a machine of its own)")
+    ap.add_argument("--instance-threads", type=int, default=1,
+                    help="with --shared-cores: torch threads per instance (as the profile was measured)")
     ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
                     metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
                                          f"{ELASTIC_POLICY}: simulation only, pipelines a prompt over idle "

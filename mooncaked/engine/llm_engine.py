@@ -211,13 +211,16 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     sink: Sink | None = None, imported_blocks: list[int] | None = None,
-                    hold_blocks: bool = False, stage_input: int | None = None) -> str:
+                    hold_blocks: bool = False, stage_input: int | None = None, keep_imported: bool = True) -> str:
         """Queue a request; thread-safe.
 
         ``imported_blocks``: KV blocks the caller already filled with this prompt's first
         ``len(imported_blocks) * block_size`` tokens (incremental prefill: only the rest is
         computed). ``hold_blocks``: keep the blocks after the request finishes, until
         ``release(request_id)`` (a prefill instance still pushing that KV elsewhere).
+        ``keep_imported=False``: use the imported blocks for this request only; those not already in
+        the prefix cache are not published there and are freed with the request (KV pulled from a
+        peer for a prefix that is not hot: it stays the peer's).
 
         On a pipeline stage the request starts exactly after ``imported_blocks`` (its group agreed
         on that prefix); ``stage_input``: the tokens whose input hidden states have arrived (a stage
@@ -234,7 +237,8 @@ class Engine:
             raise RequestError(f"stage {self.stage}: stage_input is required exactly on stages after the first")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, imported_blocks=imported,
                        imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks,
-                       exact_prefix=staged, input_ready=stage_input)
+                       exact_prefix=staged, input_ready=stage_input,
+                       unkept_blocks=0 if keep_imported else len(imported))
         return self._enqueue(seq, sink)
 
     def set_stage_input(self, request_id: str, ready_tokens: int) -> bool:

@@ -89,6 +89,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.block_hashes = []
+        seq.unkept_blocks = 0  # its imported KV is gone: what it recomputes is its own
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -202,5 +203,6 @@ class Scheduler:
         for j in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             block_tokens = tuple(tokens[j * bs : (j + 1) * bs])
             parent = chain_hash(parent, block_local_hash(block_tokens, self.bm.hash_seed), self.bm.hash_seed)
-            self.bm.commit_full_block(seq.block_table[j], parent, block_tokens)
+            if j >= seq.unkept_blocks:  # an unkept block is freed, unpublished, when the sequence ends
+                self.bm.commit_full_block(seq.block_table[j], parent, block_tokens)
             seq.block_hashes.append(parent)

@@ -37,6 +37,9 @@ class Sequence:
     # (incremental prefill, or a decode instance receiving a prefill's KV); adopted on admission
     imported_blocks: list[int] = field(default_factory=list)
     imported_tokens: int = 0
+    # leading blocks this sequence uses but does not publish to the prefix cache: KV pulled for it alone
+    # (a prefix that is not hot stays its holder's; the conductor's plan said not to replicate it)
+    unkept_blocks: int = 0
     # keep the blocks after finishing until the owner releases them (a prefill still pushing KV)
     hold_blocks: bool = False
     compute_s: float = 0.0  # engine step time of the steps it took part in

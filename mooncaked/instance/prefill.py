@@ -105,7 +105,8 @@ class Prefiller:
         added = False
         try:
             try:
-                self.engine.add_request(prompt, one, rid, sink, imported_blocks=prepared.imported, hold_blocks=True)
+                self.engine.add_request(prompt, one, rid, sink, imported_blocks=prepared.imported, hold_blocks=True,
+                                        keep_imported=self._keeps_pulled(prepared, plan))
                 added = True
             except RequestError as e:
                 await self.fetch.give_back(prepared)
@@ -148,6 +149,12 @@ class Prefiller:
                 self.ended.pop(rid, None)
                 ended.set()
 
+
+    @staticmethod
+    def _keeps_pulled(prepared: Prepared, plan: PrefillPlan | None) -> bool:
+        """Whether pulled blocks join this instance's prefix cache: only when the plan replicates them (a hot
+        prefix), as the simulator counts it; otherwise they serve this request and are freed with it."""
+        return not prepared.pulled_blocks or plan is None or plan.replicate
 
     def _write_back(self, prompt: list[int], block_table: list[int], prepared: Prepared,
                     plan: PrefillPlan | None) -> bool:

@@ -24,7 +24,8 @@ from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
 
-from .elastic import ElasticDecision
+from .cores import SharedCores
+from .elastic import ElasticDecision, ElasticMooncakedPolicy
 from .instances import Job, Seq, SimDecode, SimPrefill
 from .metrics import Outcome, PolicyResult, summarize
 from .pipeline import SimPipelineGroup
@@ -49,6 +50,8 @@ class SimConfig:
     pipeline_stages: int = 2
     cpp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     cpp_group_pulls: bool = False  # live, a group reuses only its stages' own prefix caches
+    shared_cores: float | None = None  # every instance on one host with this many cores (cores.py); None: a machine each
+    instance_threads: int = 1  # torch threads per instance, as the profile was measured with
 
 
 class Simulation:
@@ -60,6 +63,8 @@ class Simulation:
         if cfg.pipeline_groups and (cfg.pipeline_stages < 2 or cfg.pipeline_groups * cfg.pipeline_stages > cfg.prefill):
             raise ValueError(f"{cfg.pipeline_groups} groups of {cfg.pipeline_stages} stages need at least 2 stages "
                              f"each and at most {cfg.prefill} prefill machines in all")
+        if cfg.shared_cores is not None and (cfg.pipeline_groups or isinstance(policy, ElasticMooncakedPolicy)):
+            raise ValueError("shared cores model single-instance prefill only: no CPP groups or elastic pipelines")
         if cfg.profile.block_size != TRACE_BLOCK_TOKENS or cfg.length_scale != 1.0 or cfg.profile.max_model_len:
             # what a live cluster with the profile's block size sees when tools/replay.py sends the trace
             ctx = cfg.profile.max_model_len
@@ -81,6 +86,9 @@ class Simulation:
         self._d = {d.name: d for d in self.decodes}
         self.outcomes = [Outcome(r.arrival_s, r.input_length, r.output_length) for r in trace]
         self._by_index = {r.index: i for i, r in enumerate(trace)}
+        self.cores = (None if cfg.shared_cores is None
+                      else SharedCores(cfg.shared_cores, cfg.instance_threads))
+        self._due: dict[str, int] = {}  # with shared cores: each running prefill's live event (older ones are stale)
 
     def _prefill_units(self, machines: list[tuple[float, random.Random]]) -> list[SimPrefill]:
         """The first ``pipeline_groups x pipeline_stages`` machines form the groups, the rest stay single
@@ -128,9 +136,14 @@ class Simulation:
         seq = 0
         i = 0
         trace = self.trace
+        cores = self.cores
         while i < len(trace) or events:
             if events and (i >= len(trace) or events[0][0] <= trace[i].arrival_s):
-                now, _, name = heapq.heappop(events)
+                now, due, name = heapq.heappop(events)
+                if cores is not None:
+                    if self._due.get(name) != due:
+                        continue  # rescheduled when the cores' sharing changed
+                    cores.stopped(name)
                 nxt = self._prefill_done(self._p[name], now)
                 started = [(name, nxt)]
             else:
@@ -138,13 +151,31 @@ class Simulation:
                 i += 1
                 now = req.arrival_s
                 started = self._arrive(req, now)
+            if cores is not None:
+                for name, nxt in started:
+                    if nxt is not None:
+                        cores.started(name, now, nxt)
+                started = list(self._share_cores(now).items())
             for name, nxt in started:
                 if nxt is not None:
                     seq += 1
+                    self._due[name] = seq
                     heapq.heappush(events, (nxt, seq, name))
         for d in self.decodes:
             d.advance(float("inf"))
         return summarize(self.policy.name, self.outcomes, self.cfg.slo, time.perf_counter() - t0)
+
+    def _share_cores(self, now: float) -> dict[str, float]:
+        """The busy instances from ``now`` on share the cores: decode steps so far run at the old share,
+        then every running prefill's finish moves to the new one."""
+        assert self.cores is not None
+        for d in self.decodes:
+            d.advance(now)
+        busy = sum(p.running is not None for p in self.prefills) + sum(bool(d.batch) for d in self.decodes)
+        finish = self.cores.update(now, busy)
+        for d in self.decodes:
+            d.slowdown = self.cores.slowdown
+        return finish
 
     def _arrive(self, req: TraceRequest, now: float) -> list[tuple[str, float | None]]:
         """Route one arrival; returns (prefill unit, finish time of the job it started or None) per unit."""

@@ -40,6 +40,7 @@ class Job:
     pulled_blocks: int = 0
     computed_tokens: int = 0
     compute_s: float = 0.0
+    loading_s: float = 0.0  # bringing reused blocks in, before the compute
     # elastic CPP (tools/sim/elastic.py): pipelined over this instance and borrowed idle machines
     pipeline: PipelineShape | None = None
     stage_speeds: tuple[float, ...] = ()  # the borrowed machines' speeds, in stage order after this one
@@ -127,6 +128,7 @@ class SimPrefill:
             transfer *= max(job.pipeline.stage_fractions)
             job.compute_s = jitter * pipeline_prefill_s(self.profile.prefill_s, job.computed_tokens, cached,
                                                         job.pipeline, (self.speed, *job.stage_speeds))
+        job.loading_s = transfer
         return now + transfer + job.compute_s
 
     def load_s(self, local_blocks: int, pulled_blocks: int) -> float:
@@ -150,6 +152,7 @@ class SimPrefill:
             if self.pending[h] <= 0:
                 del self.pending[h]
         cached = job.req.input_length - job.computed_tokens
+        job.compute_s = now - job.started_s - job.loading_s  # as planned, or stretched by shared cores (cores.py)
         if job.pipeline is None:  # a pipelined time is not this machine's step time
             self.model.prefill.observe(job.computed_tokens, cached, job.compute_s)
         hashes = job.req.hash_ids
@@ -203,6 +206,7 @@ class SimDecode:
     reserved: int = 0
     context_sum: int = 0
     steps: int = 0
+    slowdown: float = 1.0  # wall seconds per profiled second: other instances on the same cores (cores.py)
 
     def advance(self, t: float) -> None:
         """Run every step that starts before ``t``."""
@@ -210,7 +214,7 @@ class SimDecode:
         slo = self.tbt_slo_s
         while self.batch and self.clock < t:
             n = len(self.batch)
-            dt = (c0 + c1 * n + c2 * self.context_sum / 1000.0) / self.speed
+            dt = (c0 + c1 * n + c2 * self.context_sum / 1000.0) / self.speed * self.slowdown
             if self.steps % 16 == 0:
                 self.model.decode.observe(n, self.context_sum, dt)
             self.steps += 1
