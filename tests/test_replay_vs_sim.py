@@ -61,3 +61,18 @@ def test_a_slice_cut_later_in_the_trace_starts_at_zero_and_keeps_its_requests(tm
     assert cut_trace(DEFAULT_TRACE, 0, tmp_path / "none.jsonl") == DEFAULT_TRACE
     with pytest.raises(ValueError, match="only"):
         cut_trace(DEFAULT_TRACE, len(rows) + 1, tmp_path / "past.jsonl")
+
+
+def test_the_order_check_leaves_out_pairs_the_simulator_cannot_separate():
+    from replay_vs_sim import pair_agreement
+
+    def row(sim: float, live: float) -> dict:
+        return {"sim": {"mean_ttft_s": sim}, "live": {"mean_ttft_s": live}}
+
+    rows = {"random": row(5.0, 9.0), "round_robin": row(3.0, 10.0), "mooncake": row(2.0, 4.1),
+            "mooncaked": row(2.05, 4.0)}
+    pairs = pair_agreement(rows, 0.10)
+    assert pairs["tied_in_sim"] == [["mooncake", "mooncaked"]]  # 2.5 % apart: the live order is not judged
+    assert pairs["disagree"] == [["random", "round_robin"]]  # the simulator says round_robin is faster
+    assert len(pairs["agree"]) == 4
+    assert pair_agreement(rows, 0.0)["disagree"] == [["random", "round_robin"], ["mooncake", "mooncaked"]]

@@ -275,10 +275,12 @@ def simulate_slice(profile: Path, s: Slice, policies: list[str], prefills: int =
     return {r.policy: r.as_json() for r in simulate_tool.run(args)}
 
 
+TIE_TOLERANCE = 0.10  # simulated mean TTFTs closer than this (relative) are a tie no one live run can order
 FIGURES = ("cache_hit_rate", "mean_ttft_s", "p90_ttft_s", "prefill_tokens_computed")
 
 
-def compare(live: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def compare(live: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]],
+            tie_tolerance: float = TIE_TOLERANCE) -> dict[str, Any]:
     """Per policy the shared figures live and simulated, and the policies ordered by mean TTFT each way."""
     policies = [p for p in sim if p in live]
     rows = {p: {"live": {k: live[p].get(k) for k in FIGURES}, "sim": {k: sim[p].get(k) for k in FIGURES},
@@ -289,7 +291,26 @@ def compare(live: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]]) -> 
     def order(side: str) -> list[str]:
         return sorted(policies, key=lambda p: (rows[p][side]["mean_ttft_s"] is None, rows[p][side]["mean_ttft_s"] or 0))
 
-    return {"policies": rows, "order_by_mean_ttft": {"live": order("live"), "sim": order("sim")}}
+    return {"policies": rows, "order_by_mean_ttft": {"live": order("live"), "sim": order("sim")},
+            "pairs": pair_agreement(rows, tie_tolerance)}
+
+
+def pair_agreement(rows: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any]:
+    """Every two policies whose simulated mean TTFTs differ by more than ``tolerance`` (relative) must be in
+    the same order live; closer ones are a tie the simulator cannot call, listed apart. A strict order of
+    all policies asks the live run to order ties too, which is the noise of one run."""
+    agree, disagree, tied = [], [], []
+    names = [p for p in rows if rows[p]["sim"]["mean_ttft_s"] and rows[p]["live"]["mean_ttft_s"]]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            sa, sb = rows[a]["sim"]["mean_ttft_s"], rows[b]["sim"]["mean_ttft_s"]
+            if max(sa, sb) / min(sa, sb) - 1.0 <= tolerance:
+                tied.append([a, b])
+            elif (sa < sb) == (rows[a]["live"]["mean_ttft_s"] < rows[b]["live"]["mean_ttft_s"]):
+                agree.append([a, b])
+            else:
+                disagree.append([a, b])
+    return {"tolerance": tolerance, "agree": agree, "disagree": disagree, "tied_in_sim": tied}
 
 
 def format_table(cmp: dict[str, Any]) -> str:
@@ -308,6 +329,10 @@ def format_table(cmp: dict[str, Any]) -> str:
     o = cmp["order_by_mean_ttft"]
     lines.append(f"by mean TTFT, live: {' < '.join(o['live'])}")
     lines.append(f"by mean TTFT, sim:  {' < '.join(o['sim'])}")
+    pr = cmp["pairs"]
+    lines.append(f"pairs the simulator separates by > {pr['tolerance']:.0%}: {len(pr['agree'])} in the same order live, "
+                 f"{len(pr['disagree'])} not" + (f" ({', '.join('/'.join(p) for p in pr['disagree'])})" if pr['disagree'] else "")
+                 + f"; {len(pr['tied_in_sim'])} tied in simulation")
     return "\n".join(lines)
 
 
@@ -335,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with all_role_cluster(env, work, p, args.prefill, args.decode) as url:
                 live[p] = replay_live(url, s, seed=args.seed)
             log.info("%s: live hit rate %.3f", p, live[p]["cache_hit_rate"])
-    cmp = compare(live, sim)
+    cmp = compare(live, sim, args.tie_tolerance)
     cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads, "sim_shared_cores": cores,
                      "max_requests": s.max_requests, "time_scale": s.time_scale,
                      "length_scale": s.length_scale, "prefill": args.prefill, "decode": args.decode,
@@ -355,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-cores", type=float, default=None,
                     help="cores the simulated instances share, as the live ones share this host's (default: this "
                          "machine's count; 0: each simulated instance on a machine of its own)")
+    ap.add_argument("--tie-tolerance", type=float, default=TIE_TOLERANCE,
+                    help="simulated mean TTFTs closer than this (relative) are a tie, left out of the order check")
     ap.add_argument("--time-scale", type=float, default=0.2, help="arrival time x this, as replay/simulate take it")
     ap.add_argument("--length-scale", type=float, default=0.01, help="lengths and the 512-token block x this")
     ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=BOTH_POLICIES, metavar="NAME",

@@ -15,6 +15,10 @@ of the same slice on that cluster shape reports, under the same names: ``mean_tt
 ``p90_ttft_s``, ``cache_hit_rate`` (cached prompt tokens / prompt tokens),
 ``prefill_tokens_computed``.
 
+``--shared-cores C --instance-threads T``: every instance on one host with C cores, T torch threads
+each (``tools/sim/cores.py``): busy instances share the cores, as the engines of ``mooncaked --role all``
+do; without it each instance has a machine of its own.
+
 Chunked pipeline parallel (CPP) groups: ``--pipeline-groups G --pipeline-stages S`` make G
 groups of S of the ``--prefill`` machines, each one prefill unit (``tools/sim/pipeline.py``);
 ``--policy mooncaked_elastic`` (simulation only) pipelines a long prompt over idle single
