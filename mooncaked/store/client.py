@@ -41,6 +41,8 @@ from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUna
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
+from mooncaked.store.owner_link import OwnerLinks
+from mooncaked.store.owner_server import OwnerServer, ServeWindow
 from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
@@ -76,6 +78,7 @@ class StoreClientConfig:
     fast_path: bool = True  # metadata calls on the master's fast path when it offers one (else gRPC)
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
+    owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -127,6 +130,9 @@ class StoreClient:
         self._places = Places()
         self._hints = Hints(config.location_hints)
         self._reader: Reader | None = None
+        self.owner_server: OwnerServer | None = None  # our DRAM's objects by key (owner_server.py)
+        self._owner_links: OwnerLinks | None = None
+        self._shm_host = ""  # our host id when shared memory reaches holders on it (they are read that way)
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
@@ -147,9 +153,15 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
-            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove)
+            self._owner_links = OwnerLinks(self.security.token, cfg.transfer_timeout_s) if cfg.owner_reads else None
+            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove, self._owner_links)
+            if self.transfer.backend in ("shm", "auto"):
+                self._shm_host = self.transfer.info().host_id
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
+            if cfg.owner_reads:
+                self.owner_server = OwnerServer(self.dram, self.journal, ServeWindow(), self.security.token)
+                await self.owner_server.start(host_of(self.transfer.address))
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
@@ -169,9 +181,11 @@ class StoreClient:
                     self._fast.fail("the store master leader moved")
 
             self._link.on_change(leader_moved)
+        owner = self.owner_server
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread, self.journal, remounted=self._report_soon,
-                             changing=self._master_changing)
+                             changing=self._master_changing, window=owner.window if owner else None,
+                             key_server=owner.address if owner else "")
         await self.mounts.mount_all()
         if self.dram is None and self.lmdb is None:
             # it lends nothing, so mounting asked the master nothing: ask it once, so that a master that
@@ -182,7 +196,8 @@ class StoreClient:
                 raise from_rpc_error(e, "describe") from None
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
-                                     self.mounts.request_remount, self._lmdb_thread, self.journal)
+                                     self.mounts.request_remount, self._lmdb_thread, self.journal,
+                                     window=owner.window if owner else None)
             self._tasks = [spawn(self.mounts.keep_alive(cfg.ping_interval_s), f"store-ping-{cfg.client_id}"),
                            spawn(self.worker.receive(), f"store-tasks-{cfg.client_id}"),
                            spawn(self.worker.work(), f"store-tier-{cfg.client_id}")]
@@ -199,6 +214,10 @@ class StoreClient:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._refilling.values(), *reporting, return_exceptions=True)
         await self._give_back(self._places.drain())
+        if self.owner_server is not None:
+            await self.owner_server.close()
+        if self._owner_links is not None:
+            self._owner_links.close()
         if self.mounts is not None:
             await self.mounts.unmount_all()
         if self._fast is not None:
@@ -592,7 +611,7 @@ class StoreClient:
         later; a master lost in between would otherwise forget an object it had committed."""
         dram = next((r for r in replicas if r.medium != "lmdb"), None)
         if dram is not None:
-            self._hints.note(key, dram, size)
+            self._hints.note(key, dram, size, csum)
         for r in replicas:
             if r.segment == self.dram_segment and self.dram is not None:
                 self.journal.note(key, r.offset, size, csum)
@@ -730,6 +749,10 @@ class StoreClient:
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
+            if reader.owners is not None:  # one round trip to the owners that hold what we know of
+                piece = await self._from_owners(call, piece)
+                if not piece:
+                    continue
             req = store_pb2.BatchGetReplicasRequest(keys=piece, client_id=self.config.client_id,
                                                     release_lease=release[0], release_keys=release[1])
             hinted = self._hints.pick(req.keys)
@@ -758,6 +781,21 @@ class StoreClient:
         for ok in got:
             metrics.client_op("get", "hit" if ok else "miss").inc()
         return got
+
+    async def _from_owners(self, call: GetCall, piece: list[str]) -> list[str]:
+        """Get what we know the owner, size and checksum of from the owner by key (owner_server.py),
+        unless shared memory reaches it (then the early copy is cheaper); returns the keys left."""
+        assert self._reader is not None and self._owner_links is not None
+        links, own = self._owner_links, self.owner_server.address if self.owner_server else ""
+        picked = [(k, h) for k, h in self._hints.pick(piece)
+                  if h.key_server and h.checksum and h.key_server != own and (not self._shm_host or h.host_id != self._shm_host)
+                  and links.reachable(h.key_server)]
+        if not picked:
+            return piece
+        served, gone = await self._reader.from_owners(call, picked)
+        if gone:  # removed, moved or rewritten: no early copy from there either
+            self._hints.forget(gone)
+        return [k for k in piece if k not in served] if served else piece
 
     # -- queries ------------------------------------------------------------------------------------
     async def exist(self, key: str) -> bool:
