@@ -31,6 +31,7 @@ from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
+from mooncaked.store.commits_behind import CommitsBehind
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
@@ -79,6 +80,7 @@ class StoreClientConfig:
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
+    commit_behind: bool = False  # put() returns once its bytes landed and its commit is sent (commits_behind.py)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -130,6 +132,7 @@ class StoreClient:
         self._places = Places()
         self._hints = Hints(config.location_hints)
         self._reader: Reader | None = None
+        self._behind = CommitsBehind()  # single puts' commits in flight (commit_behind)
         self.owner_server: OwnerServer | None = None  # our DRAM's objects by key (owner_server.py)
         self._owner_links: OwnerLinks | None = None
         self._shm_host = ""  # our host id when shared memory reaches holders on it (they are read that way)
@@ -207,6 +210,10 @@ class StoreClient:
     async def close(self, evacuate_timeout_s: float = 10.0) -> None:
         """Leave the pool and release everything. With an LMDB tier, what only our DRAM holds is first
         demoted to it (up to `evacuate_timeout_s`), so a restart on the same LMDB path brings it all back."""
+        lost = await self._behind.flush()
+        if lost:
+            logger.warning("store client %s: %d puts were not stored (their commits failed)", self.config.client_id,
+                           len(lost))
         if self.lmdb is not None and self.dram is not None and self.worker is not None:
             await self._evacuate(evacuate_timeout_s)
         reporting = [self._reporting] if self._reporting is not None else []
@@ -375,14 +382,33 @@ class StoreClient:
             return False
         end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
                                                                              checksum=csum, soft_pin=soft_pin)])
+        fast = self._fast
+        if self.config.commit_behind and fast is not None and not fast.closed:  # ordered before our next call
+            done_csum = csum
+            await self._behind.add(key, fast.send("BatchPutEnd", end, self.config.rpc_timeout_s),
+                                   lambda ok: self._settled(key, place, size, done_csum, ok))
+            return True
         reply = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
+        self._settled(key, place, size, csum, True)
+        return True
+
+    def _settled(self, key: str, place: Place, size: int, csum: int, ok: bool) -> None:
+        """A single put's commit was answered (ok: taken)."""
+        if not ok:
+            self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
+            metrics.client_op("put", "lost").inc()
+            return
         self._committed(key, place.replicas, size, csum)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
-        return True
+
+    async def flush(self) -> list[str]:
+        """Wait for the commits still in flight of puts made with `commit_behind`; returns the keys whose
+        commit failed since the last flush (put() said True, but they are not stored)."""
+        return await self._behind.flush()
 
     async def _write_place(self, data: Data, size: int, place: Place, csum: int | None) -> int:
         """Write one object into every copy of its place; returns its checksum (`csum` when given).

@@ -142,7 +142,8 @@ class OwnerLinks:
                     futs.append(fut)
                 assert conn.transport is not None
                 conn.transport.write(b"".join(frames))
-                return list(await asyncio.gather(*futs))
+                await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
+                return [f.result() for f in futs]
         except BaseException as e:
             conn_now = self._conns.pop(address, None)  # an answer may still come: into memory given back
             if conn_now is not None:
