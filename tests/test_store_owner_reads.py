@@ -60,6 +60,8 @@ async def test_a_get_whose_owner_is_known_is_served_by_the_owner_without_the_mas
         assert lookups() == asked + 1
         assert await reader.get("o/b") == b  # ...and asks it directly next time
         assert lookups() == asked + 1 and owner_gets("hit") == hits + 4
+        obj = runner.master.objects["o/b"]  # the owner reports what it served with its next ping: the LRU
+        await until(lambda: obj.hits >= 2, "o/b read by key, counted at the master")  # its lookup, and one ping
     finally:
         for c in (reader, writer, owner):
             await c.close()

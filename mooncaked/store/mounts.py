@@ -122,7 +122,9 @@ class Mounts:
             self._remount.clear()
             try:
                 sent_at = asyncio.get_running_loop().time()
-                reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id), timeout=self._timeout)
+                touched = self.window.take_touched() if self.window is not None else []
+                reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id, touched=touched),
+                                              timeout=self._timeout)
                 if self.window is not None:
                     self.window.pinged(sent_at, reply.known and reply.master_epoch == self.epoch, reply.master_epoch,
                                        reply.journal_seq, reply.serve_window_s)

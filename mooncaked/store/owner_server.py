@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mooncaked.store import metrics
 from mooncaked.store.dram_journal import DramJournal
@@ -42,13 +42,22 @@ OWNER_LIMITS = ConnLimits(max_connections=256, max_unproven=64, idle_timeout_s=3
 MAX_BUFFERED = 1 << 16  # unparsed request bytes one connection may hold (a request is at most ~4 KiB)
 
 
+MAX_TOUCHED = 4096  # keys served by key reported with one ping at most (the rest go unreported)
+
+
 @dataclass(slots=True)
 class ServeWindow:
-    """Until when (loop time) this owner may serve reads by key, and what it has applied of whose journal."""
+    """Until when (loop time) this owner may serve reads by key, and what it has applied of whose journal;
+    and the keys it served since its last ping (reported with the next: the master's LRU counts them)."""
 
     until: float = 0.0
     epoch: int = 0  # the master whose journal batches `applied` counts
     applied: int = 0
+    touched: set[str] = field(default_factory=set)
+
+    def take_touched(self) -> list[str]:
+        out, self.touched = list(self.touched), set()
+        return out
 
     def open(self, now: float) -> bool:
         return now < self.until
@@ -99,7 +108,7 @@ class OwnerServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Conn(self), host, port, reuse_address=True)
         bound = self._server.sockets[0].getsockname()
-        self.address = f"{host}:{bound[1]}"
+        self.address = f"[{host}]:{bound[1]}" if ":" in host else f"{host}:{bound[1]}"
         logger.info("store owner reads by key on %s", self.address)
         return self.address
 
@@ -121,6 +130,8 @@ class OwnerServer:
         offset = found[0]
         if offset + size > self.dram.nbytes:
             return NOT_HELD, None
+        if len(self.window.touched) < MAX_TOUCHED:
+            self.window.touched.add(key)
         return SERVED, self.dram.slice(offset, size)
 
 

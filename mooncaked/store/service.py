@@ -237,6 +237,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     @_now
     def Ping(self, request, context):
         client = request.client_id
+        if request.touched:
+            self.master.touched(request.touched)
         if client in self._journal:  # the reply names every batch made so far (owner_server.py's window)
             self.flush_journal()
         owners = self._owners

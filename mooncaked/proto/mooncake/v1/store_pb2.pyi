@@ -384,10 +384,12 @@ class RemoveReply(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "touched")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+    touched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., touched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PingReply(_message.Message):
     __slots__ = ("known", "master_epoch", "journal_seq", "serve_window_s")
