@@ -1,7 +1,8 @@
 """A reader's connections to DRAM owners' key servers (owner_server.py): one per owner, requests
 pipelined, each answer's bytes received straight into the memory the caller names.
 
-Every read has a short deadline (GRACE_S plus the bytes at SLOW_BYTES_PER_S): the master's path
+A read waits CONNECT_GRACE_S at most for a connection still opening (it goes on opening for the
+next read). Every read has a short deadline (GRACE_S plus the bytes at SLOW_BYTES_PER_S): the master's path
 is the fallback, so a stalled owner must not hold a get for long. A connection whose answer is
 late, or whose caller went away, is dropped at once, so nothing lands later in memory given back.
 An owner that could not be reached, or answered late, is not asked again for DOWN_S: its readers
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 DOWN_S = 1.0  # after a failed connection or a late answer, that owner is read through the master this long
 GRACE_S = 0.05  # an owner's answer is given up after this, plus its bytes at SLOW_BYTES_PER_S
 SLOW_BYTES_PER_S = 100e6
+CONNECT_GRACE_S = 0.2  # a read waits this long for a new connection; it keeps opening in the background
 _ids = itertools.count(1)
 
 
@@ -119,7 +121,7 @@ class OwnerLinks:
         self.timeout_s = timeout_s
         self._conns: dict[str, _Conn] = {}
         self._down_until: dict[str, float] = {}
-        self._opening: dict[str, asyncio.Lock] = {}
+        self._opening: dict[str, asyncio.Task[_Conn]] = {}
 
     def reachable(self, address: str) -> bool:
         return asyncio.get_running_loop().time() >= self._down_until.get(address, 0.0)
@@ -128,10 +130,12 @@ class OwnerLinks:
         """Each read's status (owner_wire): SERVED means its `into` holds the bytes the owner sent (not
         yet checked). Raises TransferError when the owner cannot be asked or does not answer in time."""
         loop = asyncio.get_running_loop()
+        conn = self._conns.get(address)
+        if conn is None or conn.closed:
+            conn = await self._connected(address)
         deadline = min(self.timeout_s, GRACE_S + sum(r.size for r in reads) / SLOW_BYTES_PER_S)
         try:
             async with asyncio.timeout(deadline):
-                conn = await self._conn(address)
                 futs = []
                 frames = []
                 for r in reads:
@@ -145,39 +149,48 @@ class OwnerLinks:
                 await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
                 return [f.result() for f in futs]
         except BaseException as e:
-            conn_now = self._conns.pop(address, None)  # an answer may still come: into memory given back
-            if conn_now is not None:
-                conn_now.fail(ConnectionError("a read on it was given up"))
+            if self._conns.get(address) is conn:
+                del self._conns[address]
+            conn.fail(ConnectionError("a read on it was given up"))  # an answer may still come: into memory given back
             if isinstance(e, TimeoutError):
                 self._down_until[address] = loop.time() + DOWN_S
             if isinstance(e, (TimeoutError, OSError, ConnectionError, WireError, TransferError)):
                 raise TransferError(f"owner {address}: {e or type(e).__name__}") from None
             raise
 
-    async def _conn(self, address: str) -> _Conn:
-        conn = self._conns.get(address)
-        if conn is not None and not conn.closed:
-            return conn
-        lock = self._opening.setdefault(address, asyncio.Lock())
-        async with lock:
-            conn = self._conns.get(address)
-            if conn is not None and not conn.closed:
-                return conn
-            loop = asyncio.get_running_loop()
-            host, port = host_of(address), int(address.rsplit(":", 1)[1])
-            try:
+    async def _connected(self, address: str) -> _Conn:
+        """A connection, waited for CONNECT_GRACE_S at most: one still opening then goes on in the
+        background (for the next read), and this read takes the master's path."""
+        task = self._opening.get(address)
+        if task is None:
+            task = self._opening[address] = asyncio.ensure_future(self._open(address))
+            task.add_done_callback(lambda _: self._opening.pop(address, None))
+        try:
+            async with asyncio.timeout(CONNECT_GRACE_S):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            raise TransferError(f"owner {address}: still connecting") from None
+
+    async def _open(self, address: str) -> _Conn:
+        loop = asyncio.get_running_loop()
+        host, port = host_of(address), int(address.rsplit(":", 1)[1])
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                 sock = await open_socket(host, port)
                 if self.token is not None:
                     sock = await authenticated(sock, self.token, f"the store owner at {address}", HANDSHAKE_TIMEOUT_S)
                 _, conn = await loop.create_connection(_Conn, sock=sock)
-            except (OSError, TransferError) as e:
-                self._down_until[address] = loop.time() + DOWN_S
-                logger.info("store owner %s unreachable for reads by key (%s); reading through the master", address, e)
-                raise
-            self._conns[address] = conn
-            return conn
+        except (OSError, TransferError, TimeoutError) as e:
+            self._down_until[address] = loop.time() + DOWN_S
+            logger.info("store owner %s unreachable for reads by key (%s); reading through the master", address,
+                        e or type(e).__name__)
+            raise TransferError(f"owner {address}: {e or type(e).__name__}") from None
+        self._conns[address] = conn
+        return conn
 
     def close(self) -> None:
+        for task in list(self._opening.values()):
+            task.cancel()
         for conn in self._conns.values():
             conn.fail(ConnectionError("closed"))
         self._conns.clear()
