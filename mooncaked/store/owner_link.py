@@ -134,21 +134,24 @@ class OwnerLinks:
         if conn is None or conn.closed:
             conn = await self._connected(address)
         deadline = min(self.timeout_s, GRACE_S + sum(r.size for r in reads) / SLOW_BYTES_PER_S)
+        # one timer, not asyncio.timeout: its context machinery costs more than a small read's bookkeeping
+        timer = loop.call_at(loop.time() + deadline, conn.fail, TimeoutError(f"no answer within {deadline:.3f}s"))
         try:
-            async with asyncio.timeout(deadline):
-                futs = []
-                frames = []
-                for r in reads:
-                    req_id = next(_ids)
-                    fut = loop.create_future()
-                    conn.pending.append(_Pending(req_id, r.into, fut))
-                    frames.append(pack_request(KeyRequest(req_id, r.key, r.size, r.checksum)))
-                    futs.append(fut)
-                assert conn.transport is not None
-                conn.transport.write(b"".join(frames))
-                await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
-                return [f.result() for f in futs]
+            futs = []
+            frames = []
+            for r in reads:
+                req_id = next(_ids)
+                fut = loop.create_future()
+                conn.pending.append(_Pending(req_id, r.into, fut))
+                frames.append(pack_request(KeyRequest(req_id, r.key, r.size, r.checksum)))
+                futs.append(fut)
+            assert conn.transport is not None
+            conn.transport.write(b"".join(frames))
+            await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
+            timer.cancel()
+            return [f.result() for f in futs]
         except BaseException as e:
+            timer.cancel()
             if self._conns.get(address) is conn:
                 del self._conns[address]
             conn.fail(ConnectionError("a read on it was given up"))  # an answer may still come: into memory given back
