@@ -36,7 +36,7 @@ from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import RequestTooBig
-from mooncaked.store.hints import Hints
+from mooncaked.store.hints import Hint, Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
@@ -136,6 +136,7 @@ class StoreClient:
         self.owner_server: OwnerServer | None = None  # our DRAM's objects by key (owner_server.py)
         self._owner_links: OwnerLinks | None = None
         self._shm_host = ""  # our host id when shared memory reaches holders on it (they are read that way)
+        self._own_key_server = ""
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
@@ -164,7 +165,7 @@ class StoreClient:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
             if cfg.owner_reads:
                 self.owner_server = OwnerServer(self.dram, self.journal, ServeWindow(), self.security.token)
-                await self.owner_server.start(host_of(self.transfer.address))
+                self._own_key_server = await self.owner_server.start(host_of(self.transfer.address))
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
@@ -732,7 +733,27 @@ class StoreClient:
     # -- get ----------------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss (absent, unreachable or failing its checksum)."""
+        reader = self._reader
+        if reader is not None and reader.owners is not None:  # by key from its owner, if we know it
+            h = self._hints.get(key)
+            if h is not None and self._owner_serves(h) and self.staging is not None and self.staging.fits([h.size]):
+                data, gone = await reader.one_from_owner(key, h)
+                if data is not None:
+                    metrics.client_op("get", "hit").inc()
+                    return data
+                if gone:
+                    self._hints.forget((key,))
+                out: list[bytes | None] = [None]
+                await self._fetch(GetCall((key,), {key: 0}, [False], out=out), ask_owners=False)  # asked already
+                return out[0]
         return (await self.batch_get([key]))[0]
+
+    def _owner_serves(self, h: Hint) -> bool:
+        """Whether a get by key from this hint's owner is worth asking (not ourselves; shared memory does
+        not reach it, where the early copy is cheaper; not skipped after a failure)."""
+        assert self._owner_links is not None
+        return (bool(h.key_server) and bool(h.checksum) and h.key_server != self._own_key_server
+                and (not self._shm_host or h.host_id != self._shm_host) and self._owner_links.reachable(h.key_server))
 
     async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each object's bytes or None. A copy on this host is read straight into the returned bytes
@@ -766,8 +787,9 @@ class StoreClient:
         call = GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), outs=outs)
         return await self._fetch(call)
 
-    async def _fetch(self, call: GetCall) -> list[bool]:
-        """Look keys up and read them (reads.py moves, checks and hands the bytes over)."""
+    async def _fetch(self, call: GetCall, ask_owners: bool = True) -> list[bool]:
+        """Look keys up and read them (reads.py moves, checks and hands the bytes over); objects whose
+        owner we know are asked of it by key first (`ask_owners`)."""
         assert self._reader is not None, "start() first"
         reader, got, index = self._reader, call.got, call.index
         step = max(1, self.config.get_batch_keys)
@@ -775,7 +797,7 @@ class StoreClient:
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
-            if reader.owners is not None:  # one round trip to the owners that hold what we know of
+            if ask_owners and reader.owners is not None:  # one round trip to the owners that hold what we know of
                 piece = await self._from_owners(call, piece)
                 if not piece:
                     continue
@@ -812,10 +834,7 @@ class StoreClient:
         """Get what we know the owner, size and checksum of from the owner by key (owner_server.py),
         unless shared memory reaches it (then the early copy is cheaper); returns the keys left."""
         assert self._reader is not None and self._owner_links is not None
-        links, own = self._owner_links, self.owner_server.address if self.owner_server else ""
-        picked = [(k, h) for k, h in self._hints.pick(piece)
-                  if h.key_server and h.checksum and h.key_server != own and (not self._shm_host or h.host_id != self._shm_host)
-                  and links.reachable(h.key_server)]
+        picked = [(k, h) for k, h in self._hints.pick(piece) if self._owner_serves(h)]
         if not picked:
             return piece
         served, gone = await self._reader.from_owners(call, picked)

@@ -60,6 +60,9 @@ class Hints:
             return []
         return [(k, h) for k in keys if (h := by_key.get(k)) is not None]
 
+    def get(self, key: str) -> Hint | None:
+        return self._by_key.get(key)
+
     def forget(self, keys: Iterable[str]) -> None:
         for k in keys:
             self._by_key.pop(k, None)

@@ -210,6 +210,24 @@ class Reader:
         metrics.owner_get("hit").inc(len(served))
         return served, gone
 
+    async def one_from_owner(self, key: str, h: Hint) -> tuple[bytes | None, bool]:
+        """from_owners for one object wanted as bytes, with no more than it needs (a single get's
+        path): its bytes, or None and whether its owner no longer holds it as last seen."""
+        assert self.owners is not None
+        async with self.staging.lease([h.size]) as (off,):
+            view = self.staging.slice(off, h.size)
+            try:
+                status = (await self.owners.read(h.key_server, [OwnerRead(key, h.size, h.checksum, view)]))[0]
+            except TransferError as e:
+                logger.debug("store get: owner %s not asked by key (%s)", h.key_server, e)
+                status = -1
+            if status == SERVED and checksum(view) == h.checksum:
+                metrics.owner_get("hit").inc()
+                metrics.client_bytes("get").inc(h.size)
+                return bytes(view), False
+        metrics.owner_get("fallback").inc()
+        return None, status in (SERVED, NOT_HELD)  # rewritten while sent, or not held: the hint is stale
+
     # -- reads from the master's answer ----------------------------------------------------------
     async def read_direct(self, call: GetCall, objs: list) -> list:
         """Read what shared memory reaches straight into `call.out`; returns the objects left."""
