@@ -14,10 +14,12 @@ import pytest
 from store_helpers import client, metric, owner_process, start
 
 from mooncaked.security import Security
+from mooncaked.store import Policy, StoreClient, StoreClientConfig
 from mooncaked.store import service
 from mooncaked.store.errors import StoreUnavailable
 from mooncaked.store.owner_wire import REPLY, KeyRequest, pack_request
 from mooncaked.store.records import checksum
+from mooncaked.store.service import MasterRunner
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(90)
@@ -186,17 +188,23 @@ def _raw_request(address: str, key: str, size: int, csum: int) -> bytes:
         return got
 
 
-async def test_with_a_cluster_secret_only_peers_that_prove_it_are_served(tmp_path):
-    token_file = tmp_path / "token"
-    token_file.write_text(os.urandom(32).hex())
-    token_file.chmod(0o600)
-    sec = Security.load(cluster_token_file=str(token_file))
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=1 << 20)  # the owner's key server takes the secret alone
-    owner.owner_server.token = sec.token
-    writer = await client(addr, "writer")
-    writer._owner_links.token = sec.token
-    stranger = await client(addr, "stranger")  # no secret: its owner reads fail the handshake
+async def secured_client(master: str, name: str, token: bytes, **kw) -> StoreClient:
+    c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw),
+                    security=Security(token=token))
+    await c.start()
+    return c
+
+
+async def test_with_a_cluster_secret_only_peers_that_prove_it_are_served():
+    """Master, owner and readers share a secret: a reader is served by key; a peer that skips the
+    handshake gets no byte of the object; a reader whose secret the owner refuses reads through the master."""
+    secret = os.urandom(32).hex().encode()  # a token file's text
+    runner = MasterRunner(Policy(), "127.0.0.1:0", tick_s=0.05, security=Security(token=secret))
+    addr = f"127.0.0.1:{await runner.start()}"
+    owner = await secured_client(addr, "owner", secret, dram_bytes=1 << 20)
+    writer = await secured_client(addr, "writer", secret)
+    wrong = await secured_client(addr, "wrong", secret)
+    wrong._owner_links.token = os.urandom(32).hex().encode()  # right toward the master, wrong toward the owner
     try:
         a = os.urandom(16 * KiB)
         assert await writer.put("t/a", a)
@@ -204,14 +212,14 @@ async def test_with_a_cluster_secret_only_peers_that_prove_it_are_served(tmp_pat
         hits = owner_gets("hit")
         assert await writer.get("t/a") == a
         assert owner_gets("hit") == hits + 1
-        assert await stranger.get("t/a") == a  # through the master (which has no secret here)
-        assert await stranger.get("t/a") == a  # its owner read is refused: the master's path again
+        assert await wrong.get("t/a") == a  # the lookup: it learns the owner
+        assert await wrong.get("t/a") == a  # its owner read fails the handshake: the master's path again
         assert owner_gets("hit") == hits + 1
         got = await asyncio.get_running_loop().run_in_executor(
             None, _raw_request, owner.owner_server.address, "t/a", len(a), checksum(a))
         assert a not in got and len(got) <= REPLY.size + 64  # a challenge at most; never the object
     finally:
-        for c in (stranger, writer, owner):
+        for c in (wrong, writer, owner):
             await c.close()
         await runner.stop()
 
