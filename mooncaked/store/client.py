@@ -7,10 +7,12 @@ staging area and checks its XXH3-64 before handing it over (a mismatch is a miss
 object is removed, logged and counted). LMDB-held objects are promoted by their owner
 into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
 A get of an object whose place the client already knows copies it while the lookup is in
-flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); the
-get path's reads (early, pipelined, straight into a caller's tensor) are reads.py's. A batch put
-into places reserved ahead commits each group of objects once its bytes landed, while the next
-group's bytes move.
+flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); one
+whose owner and checksum it knows is asked of that owner by key, without the master, when shared
+memory does not reach it (owner_server.py serves our own DRAM that way); the get path's reads
+(by key, early, pipelined, straight into a caller's tensor) are reads.py's. A batch put into
+places reserved ahead commits each group of objects once its bytes landed, while the next group's
+bytes move; with commit_behind a single put's commit does too (commits_behind.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The get path of a store client: look keys up, move their bytes, check them, hand them over.
 
-Three things keep a get short over TCP as well as over shared memory:
+Over TCP, an object whose owner, size and checksum the client knows is first asked of that owner
+by key (owner_server.py, owner_link.py): one round trip and no master; what the owner does not
+serve, and every other object, takes the master's path below.
+
+Three things keep the master's path short over TCP as well as over shared memory:
 
 - Early copies (hints.py). When the client knows where an object sat, it reads it from there
   while the master's lookup is in flight, and keeps the bytes only if they hash to the
