@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from prometheus_client import REGISTRY
 
@@ -24,6 +26,21 @@ async def client(master: str, name: str, **kw) -> StoreClient:
     c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw))
     await c.start()
     return c
+
+
+@asynccontextmanager
+async def pool(*clients: tuple[str, dict], **policy) -> AsyncIterator[tuple[MasterRunner, list[StoreClient]]]:
+    """A master (`policy`) and started clients, one per (name, config overrides); all closed after."""
+    runner, addr = await start(**policy)
+    started: list[StoreClient] = []
+    try:
+        for name, kw in clients:
+            started.append(await client(addr, name, **kw))
+        yield runner, started
+    finally:
+        for c in reversed(started):
+            await c.close()
+        await runner.stop()
 
 
 def metric(name: str, **labels: str) -> float:

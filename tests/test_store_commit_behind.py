@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from store_helpers import client, metric, start
+from store_helpers import metric, pool
 
 from mooncaked.store.records import RESERVED_PREFIX
 
@@ -16,11 +16,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_puts_with_commits_behind_are_seen_by_the_writer_at_once_and_by_everyone_after_flush():
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=4 << 20)
-    writer = await client(addr, "writer", commit_behind=True)
-    reader = await client(addr, "reader")
-    try:
+    clients = ("owner", dict(dram_bytes=4 << 20)), ("writer", dict(commit_behind=True)), ("reader", {})
+    async with pool(*clients) as (_, (owner, writer, reader)):
         data = {f"c/{i}": os.urandom(64 * KiB) for i in range(24)}
         for k, d in data.items():
             assert await writer.put(k, d)
@@ -28,17 +25,11 @@ async def test_puts_with_commits_behind_are_seen_by_the_writer_at_once_and_by_ev
         assert await writer.get("c/3") == data["c/3"]
         assert await writer.flush() == []
         assert await reader.batch_get(list(data)) == list(data.values())
-    finally:
-        for c in (reader, writer, owner):
-            await c.close()
-        await runner.stop()
 
 
 async def test_a_commit_refused_after_put_returned_is_reported_by_flush_and_the_object_is_not_there():
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=4 << 20)
-    writer = await client(addr, "writer", commit_behind=True)
-    try:
+    clients = ("owner", dict(dram_bytes=4 << 20)), ("writer", dict(commit_behind=True))
+    async with pool(*clients) as (runner, (owner, writer)):
         assert await writer.put("l/warm", os.urandom(32 * KiB))  # places of this size are now reserved ahead
         assert await writer.flush() == []
         master = runner.master
@@ -51,7 +42,3 @@ async def test_a_commit_refused_after_put_returned_is_reported_by_flush_and_the_
         assert metric("mooncaked_store_client_ops_total", op="put", result="lost") == lost + 1
         assert await writer.put("l/a", b"again" * 1000)  # the next put finds a fresh place
         assert await writer.flush() == [] and await writer.exist("l/a")
-    finally:
-        for c in (writer, owner):
-            await c.close()
-        await runner.stop()

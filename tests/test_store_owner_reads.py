@@ -11,7 +11,7 @@ import socket
 import subprocess
 
 import pytest
-from store_helpers import client, metric, owner_process, start
+from store_helpers import client, metric, owner_process, pool, start
 
 from mooncaked.security import Security
 from mooncaked.store import Policy, StoreClient, StoreClientConfig
@@ -45,11 +45,8 @@ async def held(owner, key: str) -> None:
 
 
 async def test_a_get_whose_owner_is_known_is_served_by_the_owner_without_the_master():
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=1 << 20)
-    writer = await client(addr, "writer")
-    reader = await client(addr, "reader")
-    try:
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {}), ("reader", {})
+    async with pool(*clients) as (runner, (owner, writer, reader)):
         a, b = os.urandom(64 * KiB), os.urandom(48 * KiB)
         assert await writer.put("o/a", a) and await writer.put("o/b", b)
         await held(owner, "o/a")
@@ -64,20 +61,13 @@ async def test_a_get_whose_owner_is_known_is_served_by_the_owner_without_the_mas
         assert lookups() == asked + 1 and owner_gets("hit") == hits + 4
         obj = runner.master.objects["o/b"]  # the owner reports what it served with its next ping: the LRU
         await until(lambda: obj.hits >= 2, "o/b read by key, counted at the master")  # its lookup, and one ping
-    finally:
-        for c in (reader, writer, owner):
-            await c.close()
-        await runner.stop()
 
 
 async def test_put_then_remove_through_the_master_then_get_misses():
     """Remove is answered once the owner took the key out of its journal: a get by key right after misses,
     and so does the master's path."""
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=1 << 20)
-    writer = await client(addr, "writer")
-    other = await client(addr, "other")
-    try:
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {}), ("other", {})
+    async with pool(*clients) as (_, (owner, writer, other)):
         a = os.urandom(32 * KiB)
         assert await writer.put("r/a", a)
         await held(owner, "r/a")
@@ -87,18 +77,11 @@ async def test_put_then_remove_through_the_master_then_get_misses():
         fallbacks = owner_gets("fallback")
         assert await writer.get("r/a") is None
         assert owner_gets("fallback") == fallbacks + 1  # the owner said it does not hold it; the master agreed
-    finally:
-        for c in (other, writer, owner):
-            await c.close()
-        await runner.stop()
 
 
 async def test_an_object_put_again_with_other_bytes_is_never_served_as_the_old_one():
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=1 << 20)
-    reader = await client(addr, "reader")
-    other = await client(addr, "other")
-    try:
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("reader", {}), ("other", {})
+    async with pool(*clients) as (_, (owner, reader, other)):
         a, a2 = os.urandom(32 * KiB), os.urandom(32 * KiB)
         assert await other.put("p/a", a)
         await held(owner, "p/a")
@@ -108,10 +91,6 @@ async def test_an_object_put_again_with_other_bytes_is_never_served_as_the_old_o
         await held(owner, "p/a")
         assert await reader.get("p/a") == a2  # the owner refuses the old checksum; the master names the new one
         assert await reader.get("p/a") == a2  # and by key from then on
-    finally:
-        for c in (other, reader, owner):
-            await c.close()
-        await runner.stop()
 
 
 async def ask(proc: subprocess.Popen, key: str) -> str:
@@ -225,10 +204,8 @@ async def test_with_a_cluster_secret_only_peers_that_prove_it_are_served():
 
 
 async def test_bad_frames_close_the_connection_and_the_owner_serves_on():
-    runner, addr = await start()
-    owner = await client(addr, "owner", dram_bytes=1 << 20)
-    writer = await client(addr, "writer")
-    try:
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {})
+    async with pool(*clients) as (_, (owner, writer)):
         a = os.urandom(16 * KiB)
         assert await writer.put("b/a", a)
         await held(owner, "b/a")
@@ -243,7 +220,3 @@ async def test_bad_frames_close_the_connection_and_the_owner_serves_on():
         hits = owner_gets("hit")
         assert await writer.get("b/a") == a
         assert owner_gets("hit") == hits + 1
-    finally:
-        for c in (writer, owner):
-            await c.close()
-        await runner.stop()
