@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from prometheus_client import REGISTRY
+
 from mooncaked.store import Policy, StoreClient, StoreClientConfig
 from mooncaked.store.service import MasterRunner
 
@@ -18,3 +26,47 @@ async def client(master: str, name: str, **kw) -> StoreClient:
     c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw))
     await c.start()
     return c
+
+
+@asynccontextmanager
+async def pool(*clients: tuple[str, dict], **policy) -> AsyncIterator[tuple[MasterRunner, list[StoreClient]]]:
+    """A master (`policy`) and started clients, one per (name, config overrides); all closed after."""
+    runner, addr = await start(**policy)
+    started: list[StoreClient] = []
+    try:
+        for name, kw in clients:
+            started.append(await client(addr, name, **kw))
+        yield runner, started
+    finally:
+        for c in reversed(started):
+            await c.close()
+        await runner.stop()
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+_OWNER = """
+import asyncio, sys
+from mooncaked.store import StoreClient, StoreClientConfig
+async def main():
+    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id=sys.argv[2], dram_bytes=1 << 20,
+                                      ping_interval_s=0.1))
+    await c.start()
+    print("ready", flush=True)
+    while True:
+        line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        print("held" if c.journal.find(line.strip()) is not None else "not held", flush=True)
+asyncio.run(main())
+"""
+
+
+def owner_process(addr: str, name: str) -> subprocess.Popen:
+    """A store client lending 1 MiB of DRAM in a process of its own: it prints "ready" once mounted, then
+    for each key written to its stdin whether its DRAM journal holds it ("held" / "not held")."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)

@@ -7,13 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
-from prometheus_client import REGISTRY
-from store_helpers import client, start
+from store_helpers import client, metric, owner_process, start
 
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import reads
@@ -21,10 +18,6 @@ from mooncaked.store.errors import InvalidArgument
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(90)
-
-
-def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def hinted(outcome: str) -> float:
@@ -46,7 +39,7 @@ async def test_a_stale_hint_over_tcp_whose_place_was_reused_still_returns_the_co
     size = 32 * KiB
     runner, addr = await start(lease_s=0.3, high_watermark=1.0)
     one = await client(addr, "one", dram_bytes=size)  # room for exactly one object: a freed place is reused
-    writer = await client(addr, "writer")
+    writer = await client(addr, "writer", owner_reads=False)  # the early-copy path (test_store_owner_reads: by key)
     other = await client(addr, "other", reserve_ahead_bytes=0)
     two = None
     try:
@@ -72,25 +65,6 @@ async def test_a_stale_hint_over_tcp_whose_place_was_reused_still_returns_the_co
         for c in (other, writer, one, *([two] if two else [])):
             await c.close()
         await runner.stop()
-
-
-_OWNER = """
-import asyncio, sys
-from mooncaked.store import StoreClient, StoreClientConfig
-async def main():
-    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id=sys.argv[2], dram_bytes=1 << 20,
-                                      ping_interval_s=0.1))
-    await c.start()
-    print("ready", flush=True)
-    await asyncio.sleep(3600)
-asyncio.run(main())
-"""
-
-
-def owner_process(addr: str, name: str) -> subprocess.Popen:
-    """A store client lending 1 MiB of DRAM in a process of its own; it prints "ready" once mounted."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name], stdout=subprocess.PIPE, text=True, env=env)
 
 
 async def test_a_stalled_owner_under_a_hint_does_not_hold_the_get_up_to_the_transfer_deadline():

@@ -4,8 +4,11 @@ between two processes, against Mooncake's own store measured in the same run.
 Layout, for both systems: a master process; an owner process that lends the memory (our
 StoreClient with a DRAM segment / a MooncakeDistributedStore with a global segment); and a
 driver process, which lends nothing, that puts N objects and gets them back, so every byte
-crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency) and
-batched put and get (MB/s). Mooncake uses TCP on loopback; our rows: TCP, shared memory
+crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency),
+batched put and get (MB/s), and ours only: sequential single puts with their commit behind
+(`commit_behind`: put() returns once its bytes landed and its commit is sent, so the commit
+overlaps the next put's transfer; ratio against Mooncake's single put). Our gets ask the owner by
+key when the driver knows it from its puts (owner_server.py): the share it served is printed. Mooncake uses TCP on loopback; our rows: TCP, shared memory
 (backend auto, what two engines on one host use), and TCP with the metadata calls over gRPC
 instead of the master's fast path (what the fast path buys). Floors, measured in the same run: a raw
 TCP request/response of one object between two processes (blocking sockets, no framing) and one
@@ -114,6 +117,7 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
     import uvloop
 
     from mooncaked.store import StoreClient, StoreClientConfig
+    from mooncaked.store.metrics import OWNER_GETS
 
     async def main() -> dict[str, Any]:
         client = StoreClient(StoreClientConfig(master=master, client_id="bench-driver", transfer_backend=backend,
@@ -121,6 +125,7 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
                                                staging_bytes=max(64 * MiB, 2 * batch * size)),
                              security=_security(token_file))
         await client.start()
+        owner_hits = OWNER_GETS.labels("hit")._value.get()
         data = payloads(n, size)
         keys = [f"bench/{i}" for i in range(n)]
         for i in range(4):  # warm up connections
@@ -137,6 +142,7 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
             got = await client.get(k)
             get_lat.append(time.perf_counter() - t)
             assert got == d, f"get {k} returned wrong bytes"
+        owner_share = round((OWNER_GETS.labels("hit")._value.get() - owner_hits) / n, 3)  # of the single gets
         await client.remove(keys)
         bkeys = [f"batch/{i}" for i in range(n)]
         t = time.perf_counter()
@@ -151,8 +157,26 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         bget = time.perf_counter() - t
         await client.remove(bkeys)
         await client.close()
+        # single puts whose commit overlaps the next put's transfer (commit_behind): a client of its own
+        behind = StoreClient(StoreClientConfig(master=master, client_id="bench-driver-cb", transfer_backend=backend,
+                                               fast_path=fast_path, commit_behind=True),
+                             security=_security(token_file))
+        await behind.start()
+        for i in range(4):
+            await behind.put(f"warm-cb/{i}", data[i])
+        behind_lat = []
+        ckeys = [f"behind/{i}" for i in range(n)]
+        for k, d in zip(ckeys, data):
+            t = time.perf_counter()
+            ok = await behind.put(k, d)
+            behind_lat.append(time.perf_counter() - t)
+            assert ok, f"put {k} found no room"
+        assert await behind.flush() == [], "commits behind failed"
+        await behind.remove(ckeys)
+        await behind.close()
         return {"put": summarize(put_lat, size), "get": summarize(get_lat, size),
-                "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size)}
+                "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size),
+                "put_commit_behind": summarize(behind_lat, size), "get_share_by_owner": owner_share}
 
     try:
         pipe.send(uvloop.run(main()))
@@ -164,7 +188,7 @@ def bench_ours(n: int, size: int, batch: int, backend: str = "tcp", fast_path: b
                token_file: str = "") -> dict[str, Any]:
     # room for both phases: the first phase's removed objects stay reserved until their read leases end
     return run_our_layout(_our_driver, (n, size, batch, backend, fast_path, token_file), backend,
-                          int(n * size * 2.4) + 64 * MiB, token_file)
+                          int(n * size * 3.4) + 64 * MiB, token_file)
 
 
 def run_our_layout(driver_main: Any, args: tuple, backend: str, dram_bytes: int, token_file: str = "") -> Any:
@@ -371,8 +395,12 @@ def floors(n: int, size: int) -> dict[str, float]:
 
 # -- main ---------------------------------------------------------------------------------------------
 def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per row, the run with the highest MB/s (reps absorb noise from the shared machine)."""
-    return {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0]}
+    """Per row, the run with the highest MB/s (reps absorb noise from the shared machine); plain
+    figures (the share of gets an owner served) as in that best get."""
+    out = {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0] if isinstance(runs[0][row], dict)}
+    if "get_share_by_owner" in runs[0]:
+        out["get_share_by_owner"] = max(runs, key=lambda r: r["get"]["mb_s"])["get_share_by_owner"]
+    return out
 
 
 # our rows: (transfer backend, metadata on the master's fast path); auto = shm between processes on one host
@@ -442,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         out["baseline"] = "mooncake-transfer-engine MooncakeDistributedStore + mooncake_master"
         out["ratios"] = {name: {row: round(out[name][row]["mb_s"] / mc[row]["mb_s"], 2) for row in mc}
                          for name in systems}
+        for name in systems:  # our single put with its commit behind, against Mooncake's single put
+            out["ratios"][name]["put_commit_behind"] = round(out[name]["put_commit_behind"]["mb_s"] / mc["put"]["mb_s"], 2)
     else:
         out["mooncake"] = None
         out["baseline"] = f"baseline unavailable: {why}"
@@ -452,16 +482,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} objects of {size // 1024} KiB, batches of {args.batch}, best of {reps}; "
           "ours over tcp, over shm (auto) and over tcp with gRPC metadata; Mooncake over tcp; "
           "ratio = MB/s ours / Mooncake")
-    print(f"{'row':<10} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
-    for row in ("put", "get", "batch_put", "batch_get"):
+    print(f"{'row':<17} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
+    for row in ("put", "put_commit_behind", "get", "batch_put", "batch_get"):
         for name in (*systems, "mooncake"):
-            r = out[name][row] if out.get(name) else None
+            r = out[name].get(row) if out.get(name) else None
             if r is None:
                 continue
             ratio = f"{out['ratios'][name][row]:.2f}x" if out["ratios"] and name in systems else ""
             p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else "-"
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
-            print(f"{row:<10} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
+            print(f"{row:<17} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
+    shares = ", ".join(f"{name} {out[name]['get_share_by_owner']:.0%}" for name in systems)
+    print(f"gets served by the owner by key (no master): {shares}")
     f = out["floors"]
     print(f"floors, p50 per object: raw TCP request/response {f['tcp_request_response_p50_ms']:.3f} ms "
           f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")

@@ -5,15 +5,18 @@ that lends nothing), and in the driver each phase of a single-object op timed al
 `perf_counter`, p50 over the objects: the master round trips (a lookup, a commit), the data-plane round trips (one read, one write of the object), the checksum (of bytes
 not touched since they were made, as a caller's fresh KV block, and of bytes just received),
 the copy into the staging area and out of it as `bytes` (a put is also done by hand, phase by
-phase, into places reserved ahead, as put() does); and the whole ops, a get with and
-without a location hint (with one, the read overlaps the lookup: reads.py) and a get_into of a
-contiguous tensor (read straight into it: no `bytes` made), these three interleaved object by
-object in rotating order, so that a loaded machine slows them alike. The phases of one
+phase, into places reserved ahead, as put() does); one read by key from the owner (no master:
+owner_server.py); and the whole ops, interleaved object by object in rotating order so that a
+loaded machine slows them alike: a get by key from the owner (the client knows it from its put),
+the same into a contiguous tensor (read straight into it: no `bytes` made), a get with a location
+hint but owner reads off (the read from the last-seen place overlaps the lookup: reads.py), and a
+get with neither (lookup, then read). The phases of one
 op add up to more than the op where they overlap; the sum of the serial ones is shown too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from typing import Any
@@ -33,6 +36,9 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
     from mooncaked.proto.mooncake.v1 import store_pb2
     from mooncaked.store import StoreClient, StoreClientConfig
     from mooncaked.store.dram_segment import STAGING_REGION
+    from mooncaked.store.metrics import OWNER_GETS
+    from mooncaked.store.owner_link import OwnerRead
+    from mooncaked.store.owner_wire import SERVED
     from mooncaked.store.records import checksum
     from mooncaked.transfer import TransferOp
 
@@ -47,8 +53,9 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
             await client.put(f"warm/{i}", data[i])
             await client.get(f"warm/{i}")
         t: dict[str, list[float]] = {name: [] for name in (
-            "put", "put_checksum_cold", "put_stage_copy", "put_write_rtt", "put_commit_rtt", "get_hinted", "get_into_hinted", "get_no_hint",
-            "get_lookup_rtt", "get_read_rtt", "get_checksum_warm", "get_bytes_copy")}
+            "put", "put_checksum_cold", "put_stage_copy", "put_write_rtt", "put_commit_rtt", "get_owner",
+            "get_into_owner", "get_hinted_early", "get_no_hint", "get_lookup_rtt", "get_read_rtt", "get_owner_rtt",
+            "get_checksum_warm", "get_bytes_copy")}
 
         def timed(name: str, fn, *args):  # noqa: ANN001, ANN202 - a local helper
             s = time.perf_counter()
@@ -87,20 +94,40 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
                 revoke_reservations=[p.id for p in places]))
         await client.remove([f"byhand/{i}" for i in range(n)])
         into = torch.empty(size, dtype=torch.uint8)
+        reader = client._reader
+        assert reader is not None
+        owners = reader.owners
+        hits = OWNER_GETS.labels("hit")
+        hits_before = hits._value.get()
 
-        async def get_hinted(k: str, d: bytes) -> None:
+        async def get_owner(k: str, d: bytes) -> None:
             assert await client.get(k) == d
 
-        async def get_into_hinted(k: str, d: bytes) -> None:
+        async def get_into_owner(k: str, d: bytes) -> None:
             assert await client.get_into(k, into)
 
-        async def get_no_hint(k: str, d: bytes) -> None:
-            client._hints.forget([k])
-            assert await client.get(k) == d
+        async def get_hinted_early(k: str, d: bytes) -> None:
+            reader.owners = None
+            try:
+                assert await client.get(k) == d
+            finally:
+                reader.owners = owners
 
-        variants = [get_hinted, get_into_hinted, get_no_hint]
+        async def get_no_hint(k: str, d: bytes) -> None:
+            hint = client._hints.pick([k])
+            client._hints.forget([k])
+            reader.owners = None
+            try:
+                assert await client.get(k) == d
+            finally:
+                reader.owners = owners
+            if hint:  # as it was: the next object's variants see the same hints
+                client._hints._by_key[k] = hint[0][1]
+
+        await asyncio.sleep(0.05)  # the owner's journal has the last puts
+        variants = [get_owner, get_into_owner, get_hinted_early, get_no_hint]
         for i, (k, d) in enumerate(zip(keys, data)):  # interleaved, in rotating order: load hits all alike
-            for v in variants[i % 3:] + variants[:i % 3]:
+            for v in variants[i % 4:] + variants[:i % 4]:
                 s = time.perf_counter()
                 await v(k, d)
                 t[v.__name__].append(time.perf_counter() - s)
@@ -115,11 +142,18 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
                 await client.transfer.submit([TransferOp("read", STAGING_REGION, off, rep.endpoint.address,
                                                          rep.endpoint.region, rep.offset, size)])
                 t["get_read_rtt"].append(time.perf_counter() - s)
+                hint = client._hints.pick([k])[0][1]
+                s = time.perf_counter()
+                assert await owners.read(hint.key_server, [OwnerRead(k, size, hint.checksum, staging.slice(off, size))]) \
+                    == [SERVED]
+                t["get_owner_rtt"].append(time.perf_counter() - s)
                 timed("get_checksum_warm", checksum, staging.slice(off, size))
                 timed("get_bytes_copy", bytes, staging.slice(off, size))
+        owner_hits = hits._value.get() - hits_before
         await client.remove(keys)
         await client.close()
         p50 = {name: _p50_us(v) for name, v in t.items()}
+        p50["owner_hits_of_owner_gets"] = round(owner_hits / (2 * n), 3)  # the share served by the owner
         p50["put_serial_sum"] = round(p50["put_checksum_cold"] + p50["put_stage_copy"] + p50["put_write_rtt"]
                                       + p50["put_commit_rtt"], 1)
         p50["get_serial_sum"] = round(p50["get_lookup_rtt"] + p50["get_read_rtt"] + p50["get_checksum_warm"]

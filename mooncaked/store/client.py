@@ -7,10 +7,12 @@ staging area and checks its XXH3-64 before handing it over (a mismatch is a miss
 object is removed, logged and counted). LMDB-held objects are promoted by their owner
 into its DRAM segment first (see tier_worker.py), so a reader always pulls from DRAM.
 A get of an object whose place the client already knows copies it while the lookup is in
-flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); the
-get path's reads (early, pipelined, straight into a caller's tensor) are reads.py's. A batch put
-into places reserved ahead commits each group of objects once its bytes landed, while the next
-group's bytes move.
+flight, and keeps the copy only if it matches the checksum the lookup answers (hints.py); one
+whose owner and checksum it knows is asked of that owner by key, without the master, when shared
+memory does not reach it (owner_server.py serves our own DRAM that way); the get path's reads
+(by key, early, pipelined, straight into a caller's tensor) are reads.py's. A batch put into
+places reserved ahead commits each group of objects once its bytes landed, while the next group's
+bytes move; with commit_behind a single put's commit does too (commits_behind.py).
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
 from mooncaked.store import metrics
+from mooncaked.store.commits_behind import CommitsBehind
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import RequestTooBig
-from mooncaked.store.hints import Hints
+from mooncaked.store.hints import Hint, Hints
 from mooncaked.store.reservations import Place, Places, Shape
 from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
+from mooncaked.store.owner_link import OwnerLinks
+from mooncaked.store.owner_server import OwnerServer, ServeWindow
 from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
 from mooncaked.store.records import PLACE_USE_S, checksum
@@ -76,6 +81,8 @@ class StoreClientConfig:
     fast_path: bool = True  # metadata calls on the master's fast path when it offers one (else gRPC)
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
+    owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
+    commit_behind: bool = False  # put() returns once its bytes landed and its commit is sent (commits_behind.py)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -127,6 +134,11 @@ class StoreClient:
         self._places = Places()
         self._hints = Hints(config.location_hints)
         self._reader: Reader | None = None
+        self._behind = CommitsBehind()  # single puts' commits in flight (commit_behind)
+        self.owner_server: OwnerServer | None = None  # our DRAM's objects by key (owner_server.py)
+        self._owner_links: OwnerLinks | None = None
+        self._shm_host = ""  # our host id when shared memory reaches holders on it (they are read that way)
+        self._own_key_server = ""
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
@@ -147,9 +159,15 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
-            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove)
+            self._owner_links = OwnerLinks(self.security.token, cfg.transfer_timeout_s) if cfg.owner_reads else None
+            self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove, self._owner_links)
+            if self.transfer.backend in ("shm", "auto"):
+                self._shm_host = self.transfer.info().host_id
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
+            if cfg.owner_reads:
+                self.owner_server = OwnerServer(self.dram, self.journal, ServeWindow(), self.security.token)
+                self._own_key_server = await self.owner_server.start(host_of(self.transfer.address))
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
@@ -169,9 +187,11 @@ class StoreClient:
                     self._fast.fail("the store master leader moved")
 
             self._link.on_change(leader_moved)
+        owner = self.owner_server
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread, self.journal, remounted=self._report_soon,
-                             changing=self._master_changing)
+                             changing=self._master_changing, window=owner.window if owner else None,
+                             key_server=owner.address if owner else "")
         await self.mounts.mount_all()
         if self.dram is None and self.lmdb is None:
             # it lends nothing, so mounting asked the master nothing: ask it once, so that a master that
@@ -182,7 +202,8 @@ class StoreClient:
                 raise from_rpc_error(e, "describe") from None
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
-                                     self.mounts.request_remount, self._lmdb_thread, self.journal)
+                                     self.mounts.request_remount, self._lmdb_thread, self.journal,
+                                     window=owner.window if owner else None)
             self._tasks = [spawn(self.mounts.keep_alive(cfg.ping_interval_s), f"store-ping-{cfg.client_id}"),
                            spawn(self.worker.receive(), f"store-tasks-{cfg.client_id}"),
                            spawn(self.worker.work(), f"store-tier-{cfg.client_id}")]
@@ -192,6 +213,10 @@ class StoreClient:
     async def close(self, evacuate_timeout_s: float = 10.0) -> None:
         """Leave the pool and release everything. With an LMDB tier, what only our DRAM holds is first
         demoted to it (up to `evacuate_timeout_s`), so a restart on the same LMDB path brings it all back."""
+        lost = await self._behind.flush()
+        if lost:
+            logger.warning("store client %s: %d puts were not stored (their commits failed)", self.config.client_id,
+                           len(lost))
         if self.lmdb is not None and self.dram is not None and self.worker is not None:
             await self._evacuate(evacuate_timeout_s)
         reporting = [self._reporting] if self._reporting is not None else []
@@ -199,6 +224,10 @@ class StoreClient:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._refilling.values(), *reporting, return_exceptions=True)
         await self._give_back(self._places.drain())
+        if self.owner_server is not None:
+            await self.owner_server.close()
+        if self._owner_links is not None:
+            self._owner_links.close()
         if self.mounts is not None:
             await self.mounts.unmount_all()
         if self._fast is not None:
@@ -356,14 +385,33 @@ class StoreClient:
             return False
         end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
                                                                              checksum=csum, soft_pin=soft_pin)])
+        fast = self._fast
+        if self.config.commit_behind and fast is not None and not fast.closed:  # ordered before our next call
+            done_csum = csum
+            await self._behind.add(key, fast.send("BatchPutEnd", end, self.config.rpc_timeout_s),
+                                   lambda ok: self._settled(key, place, size, done_csum, ok))
+            return True
         reply = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
+        self._settled(key, place, size, csum, True)
+        return True
+
+    def _settled(self, key: str, place: Place, size: int, csum: int, ok: bool) -> None:
+        """A single put's commit was answered (ok: taken)."""
+        if not ok:
+            self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
+            metrics.client_op("put", "lost").inc()
+            return
         self._committed(key, place.replicas, size, csum)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
-        return True
+
+    async def flush(self) -> list[str]:
+        """Wait for the commits still in flight of puts made with `commit_behind`; returns the keys whose
+        commit failed since the last flush (put() said True, but they are not stored)."""
+        return await self._behind.flush()
 
     async def _write_place(self, data: Data, size: int, place: Place, csum: int | None) -> int:
         """Write one object into every copy of its place; returns its checksum (`csum` when given).
@@ -592,7 +640,7 @@ class StoreClient:
         later; a master lost in between would otherwise forget an object it had committed."""
         dram = next((r for r in replicas if r.medium != "lmdb"), None)
         if dram is not None:
-            self._hints.note(key, dram, size)
+            self._hints.note(key, dram, size, csum)
         for r in replicas:
             if r.segment == self.dram_segment and self.dram is not None:
                 self.journal.note(key, r.offset, size, csum)
@@ -687,7 +735,27 @@ class StoreClient:
     # -- get ----------------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss (absent, unreachable or failing its checksum)."""
+        reader = self._reader
+        if reader is not None and reader.owners is not None:  # by key from its owner, if we know it
+            h = self._hints.get(key)
+            if h is not None and self._owner_serves(h) and self.staging is not None and self.staging.fits([h.size]):
+                data, gone = await reader.one_from_owner(key, h)
+                if data is not None:
+                    metrics.client_op("get", "hit").inc()
+                    return data
+                if gone:
+                    self._hints.forget((key,))
+                out: list[bytes | None] = [None]
+                await self._fetch(GetCall((key,), {key: 0}, [False], out=out), ask_owners=False)  # asked already
+                return out[0]
         return (await self.batch_get([key]))[0]
+
+    def _owner_serves(self, h: Hint) -> bool:
+        """Whether a get by key from this hint's owner is worth asking (not ourselves; shared memory does
+        not reach it, where the early copy is cheaper; not skipped after a failure)."""
+        assert self._owner_links is not None
+        return (bool(h.key_server) and bool(h.checksum) and h.key_server != self._own_key_server
+                and (not self._shm_host or h.host_id != self._shm_host) and self._owner_links.reachable(h.key_server))
 
     async def batch_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """Each object's bytes or None. A copy on this host is read straight into the returned bytes
@@ -721,8 +789,9 @@ class StoreClient:
         call = GetCall(keys, {k: i for i, k in enumerate(keys)}, [False] * len(keys), outs=outs)
         return await self._fetch(call)
 
-    async def _fetch(self, call: GetCall) -> list[bool]:
-        """Look keys up and read them (reads.py moves, checks and hands the bytes over)."""
+    async def _fetch(self, call: GetCall, ask_owners: bool = True) -> list[bool]:
+        """Look keys up and read them (reads.py moves, checks and hands the bytes over); objects whose
+        owner we know are asked of it by key first (`ask_owners`)."""
         assert self._reader is not None, "start() first"
         reader, got, index = self._reader, call.got, call.index
         step = max(1, self.config.get_batch_keys)
@@ -730,6 +799,10 @@ class StoreClient:
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
+            if ask_owners and reader.owners is not None:  # one round trip to the owners that hold what we know of
+                piece = await self._from_owners(call, piece)
+                if not piece:
+                    continue
             req = store_pb2.BatchGetReplicasRequest(keys=piece, client_id=self.config.client_id,
                                                     release_lease=release[0], release_keys=release[1])
             hinted = self._hints.pick(req.keys)
@@ -758,6 +831,18 @@ class StoreClient:
         for ok in got:
             metrics.client_op("get", "hit" if ok else "miss").inc()
         return got
+
+    async def _from_owners(self, call: GetCall, piece: list[str]) -> list[str]:
+        """Get what we know the owner, size and checksum of from the owner by key (owner_server.py),
+        unless shared memory reaches it (then the early copy is cheaper); returns the keys left."""
+        assert self._reader is not None and self._owner_links is not None
+        picked = [(k, h) for k, h in self._hints.pick(piece) if self._owner_serves(h)]
+        if not picked:
+            return piece
+        served, gone = await self._reader.from_owners(call, picked)
+        if gone:  # removed, moved or rewritten: no early copy from there either
+            self._hints.forget(gone)
+        return [k for k in piece if k not in served] if served else piece
 
     # -- queries ------------------------------------------------------------------------------------
     async def exist(self, key: str) -> bool:

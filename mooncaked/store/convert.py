@@ -24,11 +24,12 @@ def endpoint_to_proto(e: Endpoint) -> common_pb2.TransferEndpoint:
     """Made once per endpoint (every replica in every lookup reply carries one); callers copy it
     into their message and never change it."""
     return common_pb2.TransferEndpoint(address=e.address, backend=e.backend, region=e.region,
-                                       same_host_id=e.same_host_id, shm_name=e.shm_name)
+                                       same_host_id=e.same_host_id, shm_name=e.shm_name,
+                                       key_server=e.key_server)
 
 
 def endpoint_from_proto(p: common_pb2.TransferEndpoint) -> Endpoint:
-    return Endpoint(p.address, p.backend, p.region, p.same_host_id, p.shm_name)
+    return Endpoint(p.address, p.backend, p.region, p.same_host_id, p.shm_name, p.key_server)
 
 
 def segment_to_proto(spec: SegmentSpec, owner: str) -> transfer_pb2.SegmentInfo:
@@ -48,9 +49,10 @@ def record_from_proto(p: store_pb2.ObjectRecord) -> ObjectRecord:
     return ObjectRecord(p.key, p.offset, p.size, p.checksum)
 
 
-def journal_to_proto(entries: list[tuple[str, int, int, int]]) -> store_pb2.TierTask:
-    """A batch of (key, offset, size, checksum) journal entries as one KIND_JOURNAL message."""
-    return store_pb2.TierTask(kind=store_pb2.TierTask.KIND_JOURNAL, journal=[
+def journal_to_proto(entries: list[tuple[str, int, int, int]], seq: int = 0, epoch: int = 0) -> store_pb2.TierTask:
+    """A batch of (key, offset, size, checksum) journal entries as one KIND_JOURNAL message, numbered
+    `seq` by master `epoch` (the owner acknowledges it: owner_server.py)."""
+    return store_pb2.TierTask(kind=store_pb2.TierTask.KIND_JOURNAL, journal_seq=seq, master_epoch=epoch, journal=[
         store_pb2.JournalEntry(key=k, offset=o, size=n, checksum=c) for k, o, n, c in entries])
 
 

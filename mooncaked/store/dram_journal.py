@@ -64,6 +64,11 @@ class DramJournal:
         at[offset] = Held(key, size, checksum)
         where[key] = offset
 
+    def find(self, key: str) -> tuple[int, Held] | None:
+        """Where the key's committed copy is here, and what it holds (owner reads: owner_server.py)."""
+        offset = self._where.get(key)
+        return None if offset is None else (offset, self._at[offset])
+
     def records(self, dram: memoryview) -> list[ObjectRecord]:
         """Blocking (hashes the DRAM): the entries whose bytes are intact, in offset order; the others
         are forgotten."""

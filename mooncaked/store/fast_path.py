@@ -32,8 +32,9 @@ from google.protobuf.message import Message
 from mooncaked.store.errors import StoreError
 from mooncaked.store.fencing import Gate
 from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, Frame, FrameError, pack_reply, read_frames
-from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
-from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake, check_token
+from mooncaked.store.guarded_conn import GuardedConnection
+from mooncaked.transfer.conn_guard import ConnLimits
+from mooncaked.transfer.handshake import ANSWER_BYTES, check_token
 
 logger = logging.getLogger(__name__)
 
@@ -67,48 +68,17 @@ class FastContext:
         raise AbortError(code, details)
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(GuardedConnection):
+    what = "store fast-path"
+
     def __init__(self, server: FastPathServer) -> None:
-        self._server = server
-        self._buf = bytearray()
+        super().__init__(server)
         self._greeted = False
-        self._transport: asyncio.Transport | None = None
-        self._peer = "?"
         self._tasks: set[asyncio.Task] = set()
         self._frames = 0  # frames taken: the watch's measure of progress
-        self._handshake: ServerHandshake | None = None  # while the peer has not proven the secret
-        self._watch: ConnWatch | None = None
-        self._closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = transport.get_extra_info("peername")
-        self._peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and peer else "a local client (unix socket)"
-        server = self._server
-        refused = admit(server.limits, len(server.connections), server.unproven, server.token is not None)
-        if refused is not None:
-            logger.warning("refused store fast-path connection from %s: %s", self._peer, refused)
-            self._closed = True
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        server.connections.add(self)
-        if server.token is not None:
-            self._handshake = ServerHandshake(server.token)
-            server.unproven += 1
-            transport.write(self._handshake.challenge)  # type: ignore[attr-defined]
-        self._watch = ConnWatch(server.limits, server.token is None, self._progress, self._partial, self._drop)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
-        self._server.connections.discard(self)
-        if self._handshake is not None:
-            self._handshake = None
-            self._server.unproven -= 1
-        if self._watch is not None:
-            self._watch.cancel()
+        super().connection_lost(exc)
         for t in self._tasks:
             t.cancel()
 
@@ -117,28 +87,6 @@ class _Connection(asyncio.Protocol):
 
     def _partial(self) -> bool:
         return bool(self._buf) or not self._greeted
-
-    def _drop(self, why: str) -> None:
-        """The watch's verdict: close now, whatever is buffered or queued."""
-        if not self._closed:
-            logger.warning("closing store fast-path connection from %s: %s", self._peer, why)
-            self.abort()
-
-    def _prove(self) -> bool:
-        """The handshake answer is the first ANSWER_BYTES of the buffer: True once proven."""
-        assert self._handshake is not None and self._transport is not None and self._watch is not None
-        try:
-            proof = self._handshake.verify(self._buf[:ANSWER_BYTES])
-        except HandshakeError as e:
-            logger.warning("refused store fast-path connection from %s: %s", self._peer, e)
-            self.abort()
-            return False
-        del self._buf[:ANSWER_BYTES]
-        self._handshake = None
-        self._server.unproven -= 1
-        self._watch.proven = True
-        self._transport.write(proof)
-        return True
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
@@ -188,19 +136,6 @@ class _Connection(asyncio.Protocol):
     def _reply(self, call_id: int, answer: tuple[int, bytes]) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(pack_reply(call_id, *answer))
-
-    def close(self) -> None:
-        self._closed = True
-        self._buf = bytearray()
-        if self._transport is not None:
-            self._transport.close()
-
-    def abort(self) -> None:
-        self._closed = True
-        self._buf = bytearray()
-        if self._transport is not None:
-            self._transport.abort()
-
 
 class FastPathServer:
     """Serves a StoreService's unary methods on a plain TCP port, and for clients on this host on a

@@ -26,6 +26,9 @@ class Hint:
     region: str
     offset: int
     size: int
+    checksum: int = 0  # as last seen: what an owner read by key asks for (the lookup's answer decides otherwise)
+    key_server: str = ""  # where the holder serves reads by key (owner_server.py); "": it does not
+    host_id: str = ""  # the holder's host (shared memory reaches it from the same host)
 
 
 class Hints:
@@ -35,10 +38,12 @@ class Hints:
         self.capacity = capacity
         self._by_key: OrderedDict[str, Hint] = OrderedDict()
 
-    def note(self, key: str, replica: store_pb2.Replica, size: int) -> None:
+    def note(self, key: str, replica: store_pb2.Replica, size: int, checksum: int = 0) -> None:
         if self.capacity <= 0:
             return
-        self._by_key[key] = Hint(replica.endpoint.address, replica.endpoint.region, replica.offset, size)
+        e = replica.endpoint
+        self._by_key[key] = Hint(e.address, e.region, replica.offset, size, checksum, e.key_server,
+                                  e.same_host_id)
         self._by_key.move_to_end(key)
         if len(self._by_key) > self.capacity:
             self._by_key.popitem(last=False)
@@ -46,7 +51,7 @@ class Hints:
     def note_objects(self, objs: Iterable[store_pb2.ObjectReplicas]) -> None:
         for o in objs:
             if o.replicas:
-                self.note(o.key, o.replicas[0], o.size)
+                self.note(o.key, o.replicas[0], o.size, o.checksum)
 
     def pick(self, keys: Sequence[str]) -> list[tuple[str, Hint]]:
         """The keys of `keys` with a hint, and their hints."""
@@ -54,6 +59,9 @@ class Hints:
         if not by_key:
             return []
         return [(k, h) for k in keys if (h := by_key.get(k)) is not None]
+
+    def get(self, key: str) -> Hint | None:
+        return self._by_key.get(key)
 
     def forget(self, keys: Iterable[str]) -> None:
         for k in keys:

@@ -393,6 +393,18 @@ class StoreMaster:
             metrics.lookup("hit").inc()
         return ObjectView(obj.key, obj.size, obj.checksum, placed, self.policy.lease_s)
 
+    def touched(self, keys: Iterable[str]) -> int:
+        """Objects an owner served by key (owner_server.py, reported with its ping): each one read more,
+        and the newest in its LRU order, as a lookup would have made it. Returns how many were known."""
+        known = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is not None and obj.committed:
+                obj.hits += 1
+                self.catalog.touch_lru(obj)
+                known += 1
+        return known
+
     def grant_lease(self, obj: ObjectMeta, lease: int = 0, now: float | None = None) -> None:
         """Hold the object's copies for a reader for `lease_s` (or until it releases lease id `lease`)."""
         self.catalog.grant_lease(obj, lease, now)

@@ -80,6 +80,12 @@ CHECKSUM_FAILURES = Counter("mooncaked_store_checksum_failures",
 HINTED_READS = Counter("mooncaked_store_client_hinted_reads",
                        "Gets that copied from an object's last-seen place during the lookup: the copy used, "
                        "or stale (its place was reused; read again from the lookup).", ["outcome"])
+OWNER_READS = Counter("mooncaked_store_owner_reads",
+                      "Reads by key this client served as a DRAM owner (owner_server.py), by outcome: served, "
+                      "not_held (removed, moved or re-put: the reader asks the master), window_closed.", ["outcome"])
+OWNER_GETS = Counter("mooncaked_store_client_owner_gets",
+                     "Gets this client asked an object's owner for directly, by outcome: hit, fallback (the owner "
+                     "did not serve it, or its bytes failed the checksum: read through the master).", ["outcome"])
 TIER_TASKS = Counter("mooncaked_store_tier_tasks", "Tier moves a client carried out.", ["kind", "result"])
 
 
@@ -102,6 +108,16 @@ def client_bytes(op: str) -> Any:
 @functools.cache
 def hinted_read(outcome: str) -> Any:
     return HINTED_READS.labels(outcome)
+
+
+@functools.cache
+def owner_read(outcome: str) -> Any:
+    return OWNER_READS.labels(outcome)
+
+
+@functools.cache
+def owner_get(outcome: str) -> Any:
+    return OWNER_GETS.labels(outcome)
 
 
 # high availability (leadership.py, fencing.py, master_link.py)

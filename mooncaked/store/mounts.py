@@ -23,6 +23,7 @@ from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
 from mooncaked.store.errors import from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier
+from mooncaked.store.owner_server import ServeWindow
 from mooncaked.store.records import Endpoint, SegmentSpec
 from mooncaked.transfer import TransferEngine
 
@@ -33,7 +34,8 @@ class Mounts:
     def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, transfer: TransferEngine,
                  dram: DramSegment | None, lmdb: LmdbTier | None, rpc_timeout_s: float,
                  lmdb_thread: Executor | None = None, journal: DramJournal | None = None,
-                 remounted: Callable[[], None] = lambda: None, changing: Callable[[], None] = lambda: None) -> None:
+                 remounted: Callable[[], None] = lambda: None, changing: Callable[[], None] = lambda: None,
+                 window: ServeWindow | None = None, key_server: str = "") -> None:
         self.client_id = client_id
         self._changing = changing  # before a remount at a new master (the tier worker drops the old one's tasks)
         self._remounted = remounted  # after a remount at a new master (the client re-reports its recent writes)
@@ -44,6 +46,8 @@ class Mounts:
         self._timeout = rpc_timeout_s
         self._lmdb_thread = lmdb_thread
         self.journal = journal if journal is not None else DramJournal()
+        self.window = window  # owner reads by key: kept open by our pings (owner_server.py)
+        self.key_server = key_server  # where we serve them, told to the master with the DRAM segment
         self.reported = 0  # objects the master accepted at the last mount_all (both tiers)
         self.epoch = 0  # the master's, as of our last mount
         self.remounts = 0
@@ -55,7 +59,7 @@ class Mounts:
             info = self._transfer.info()
             region = info.regions.get(self._dram.name)
             endpoint = Endpoint(self._transfer.address or "", self._transfer.backend, self._dram.name, info.host_id,
-                                (region.shm_name or "") if region else "")
+                                (region.shm_name or "") if region else "", self.key_server)
             out.append(SegmentSpec(f"{self.client_id}/dram", "dram", self._dram.nbytes, endpoint))
         if self._lmdb is not None:
             out.append(SegmentSpec(f"{self.client_id}/lmdb", "lmdb", self._lmdb.capacity))
@@ -65,6 +69,8 @@ class Mounts:
         """Mount every segment, each with the objects it holds: the LMDB tier first, then DRAM."""
         loop = asyncio.get_running_loop()
         reported = 0
+        if self.window is not None:  # the master numbers our journal afresh once it (re)mounts us
+            self.window.restart()
         try:
             for spec in sorted(self.specs(), key=lambda s: s.medium != "lmdb"):
                 info = segment_to_proto(spec, self.client_id)
@@ -102,17 +108,26 @@ class Mounts:
     async def keep_alive(self, interval_s: float) -> None:
         """Ping; remount when the master does not know us or its epoch changed."""
         down = False
+        first = self.window is not None  # the first ping at once: it opens our window for owner reads
         while True:
             try:
-                await asyncio.wait_for(self._remount.wait(), interval_s)
+                if not first:
+                    await asyncio.wait_for(self._remount.wait(), interval_s)
             except asyncio.TimeoutError:
                 pass
+            first = False
             # a remount request only brings this ping forward; the ping decides. (A request made while
             # a remount was under way, e.g. by the Tasks stream reopening too early, must not remount
             # a second time: that would unmount the segments again and fail their tier moves.)
             self._remount.clear()
             try:
-                reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id), timeout=self._timeout)
+                sent_at = asyncio.get_running_loop().time()
+                touched = self.window.take_touched() if self.window is not None else []
+                reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id, touched=touched),
+                                              timeout=self._timeout)
+                if self.window is not None:
+                    self.window.pinged(sent_at, reply.known and reply.master_epoch == self.epoch, reply.master_epoch,
+                                       reply.journal_seq, reply.serve_window_s)
                 if down:
                     logger.info("store master reachable again")
                     down = False

@@ -1,6 +1,10 @@
 """The get path of a store client: look keys up, move their bytes, check them, hand them over.
 
-Three things keep a get short over TCP as well as over shared memory:
+Over TCP, an object whose owner, size and checksum the client knows is first asked of that owner
+by key (owner_server.py, owner_link.py): one round trip and no master; what the owner does not
+serve, and every other object, takes the master's path below.
+
+Three things keep the master's path short over TCP as well as over shared memory:
 
 - Early copies (hints.py). When the client knows where an object sat, it reads it from there
   while the master's lookup is in flight, and keeps the bytes only if they hash to the
@@ -33,6 +37,8 @@ from mooncaked.store import metrics
 from mooncaked.store.dram_segment import STAGING_REGION, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument
 from mooncaked.store.hints import Hint
+from mooncaked.store.owner_link import OwnerLinks, OwnerRead
+from mooncaked.store.owner_wire import NOT_HELD, SERVED
 from mooncaked.store.records import checksum
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 
@@ -69,7 +75,8 @@ class Reader:
     """Moves the bytes of a StoreClient's gets (the client asks the master; this reads and checks)."""
 
     def __init__(self, transfer: TransferEngine, staging: Staging, timeout_s: float,
-                 remove: Callable[[list[str]], Awaitable[int]]) -> None:
+                 remove: Callable[[list[str]], Awaitable[int]], owners: OwnerLinks | None = None) -> None:
+        self.owners = owners  # reads by key from the owners (None: off)
         self.transfer = transfer
         self.staging = staging
         self.timeout_s = timeout_s
@@ -152,6 +159,79 @@ class Reader:
         else:
             metrics.hinted_read("stale").inc()
 
+    # -- reads by key from the owners -------------------------------------------------------------
+    async def from_owners(self, call: GetCall, picked: list[tuple[str, Hint]]) -> tuple[set[str], set[str]]:
+        """Ask each object's owner for it by key, with the size and checksum last seen (owner_server.py):
+        one round trip, no master. Returns the keys served (their bytes checked) and the keys whose
+        owner no longer holds them as last seen (their hints are stale); the rest go to the master."""
+        assert self.owners is not None
+        staged = [j for j, (k, h) in enumerate(picked) if self._in_place(call, k, h.size) is None]
+        fit = {staged[j] for j in self._fitting([picked[i][1].size for i in staged])}
+        picked = [p for j, p in enumerate(picked) if j in fit or j not in staged]
+        served: set[str] = set()
+        gone: set[str] = set()
+        if not picked:
+            return served, gone
+        async with AsyncExitStack() as stack:
+            landings = await self.landings(call, [k for k, _ in picked], [h.size for _, h in picked], stack,
+                                           register=False)
+            by_owner: dict[str, list[int]] = {}
+            for j, (_, h) in enumerate(picked):
+                by_owner.setdefault(h.key_server, []).append(j)
+            addresses = list(by_owner)
+            asks = [self.owners.read(a, [OwnerRead(picked[j][0], picked[j][1].size, picked[j][1].checksum,
+                                                   landings[j].view)  # type: ignore[arg-type]
+                                         for j in by_owner[a]]) for a in addresses]
+            results: list[list[int] | BaseException]
+            if len(asks) == 1:  # the usual case: no task (a task costs a turn of the loop to start and to end)
+                try:
+                    results = [await asks[0]]
+                except TransferError as e:
+                    results = [e]
+            else:
+                tasks = [asyncio.ensure_future(a) for a in asks]
+                try:
+                    results = await asyncio.gather(*tasks, return_exceptions=True)
+                finally:  # cancelled: the links drop what is still in flight before the landings go back
+                    await settle(tasks)
+            for a, statuses in zip(addresses, results):
+                if isinstance(statuses, BaseException):
+                    if not isinstance(statuses, TransferError):
+                        raise statuses
+                    logger.debug("store get: owner %s not asked by key (%s)", a, statuses)
+                    continue
+                for j, status in zip(by_owner[a], statuses):
+                    key, h = picked[j]
+                    if status == NOT_HELD:
+                        gone.add(key)
+                    elif status == SERVED:
+                        if checksum(landings[j].view) == h.checksum:
+                            if self.hand_over(call, h, landings[j], key):
+                                served.add(key)
+                        else:  # its place was rewritten while the owner sent it: the master decides
+                            gone.add(key)
+        metrics.owner_get("fallback").inc(len(picked) - len(served))
+        metrics.owner_get("hit").inc(len(served))
+        return served, gone
+
+    async def one_from_owner(self, key: str, h: Hint) -> tuple[bytes | None, bool]:
+        """from_owners for one object wanted as bytes, with no more than it needs (a single get's
+        path): its bytes, or None and whether its owner no longer holds it as last seen."""
+        assert self.owners is not None
+        async with self.staging.lease([h.size]) as (off,):
+            view = self.staging.slice(off, h.size)
+            try:
+                status = (await self.owners.read(h.key_server, [OwnerRead(key, h.size, h.checksum, view)]))[0]
+            except TransferError as e:
+                logger.debug("store get: owner %s not asked by key (%s)", h.key_server, e)
+                status = -1
+            if status == SERVED and checksum(view) == h.checksum:
+                metrics.owner_get("hit").inc()
+                metrics.client_bytes("get").inc(h.size)
+                return bytes(view), False
+        metrics.owner_get("fallback").inc()
+        return None, status in (SERVED, NOT_HELD)  # rewritten while sent, or not held: the hint is stale
+
     # -- reads from the master's answer ----------------------------------------------------------
     async def read_direct(self, call: GetCall, objs: list) -> list:
         """Read what shared memory reaches straight into `call.out`; returns the objects left."""
@@ -230,18 +310,23 @@ class Reader:
 
     # -- landings and hand-over -----------------------------------------------------------------
     async def landings(self, call: GetCall, keys: Sequence[str], sizes: Sequence[int],
-                       stack: AsyncExitStack) -> list[Landing]:
+                       stack: AsyncExitStack, register: bool = True) -> list[Landing]:
         """Where each object is read to: a caller's contiguous CPU tensor of the right size (registered
-        until `stack` closes), else the staging area (leased until `stack` closes)."""
+        with the transfer engine until `stack` closes, unless `register` is False: owner reads land
+        through a memoryview), else the staging area (leased until `stack` closes)."""
         landings: list[Landing | None] = [None] * len(keys)
         staged = []
         for j, (key, size) in enumerate(zip(keys, sizes)):
             t = self._in_place(call, key, size)
             if t is not None:
+                view = memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+                if not register:
+                    landings[j] = Landing("", 0, view)
+                    continue
                 name = f"store-into-{next(_into_names)}"
                 info = self.transfer.register(name, t)
                 stack.callback(self._unregister, name)
-                landings[j] = Landing(info.name, 0, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+                landings[j] = Landing(info.name, 0, view)
             else:
                 staged.append(j)
         if staged:
@@ -282,20 +367,22 @@ class Reader:
         logger.error("store object %s failed its checksum after a read; dropping it (a miss)", obj.key)
         return False
 
-    def hand_over(self, call: GetCall, o: store_pb2.ObjectReplicas, landing: Landing) -> None:
-        """A checked object's bytes into a get's results."""
-        i = call.index[o.key]
+    def hand_over(self, call: GetCall, o: store_pb2.ObjectReplicas | Hint, landing: Landing, key: str = "") -> bool:
+        """A checked object's bytes into a get's results (`key` when `o` is a hint); False if they do not fit."""
+        key = key or o.key  # type: ignore[union-attr]
+        i = call.index[key]
         if call.out is not None:
             call.out[i] = landing.view if isinstance(landing.view, bytes) else bytes(landing.view)
         elif call.outs is not None and landing.region == STAGING_REGION:
             t = call.outs[i]
             if nbytes_of(t) != o.size:
                 logger.warning("store object %s has %d bytes but its output tensor %d; treating it as a miss",
-                               o.key, o.size, nbytes_of(t))
-                return
+                               key, o.size, nbytes_of(t))
+                return False
             self.staging.unstage(landing.offset, t)
         call.got[i] = True
         metrics.client_bytes("get").inc(o.size)
+        return True
 
 
 class Early:

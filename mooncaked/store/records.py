@@ -66,6 +66,7 @@ class Endpoint:
     region: str = ""
     same_host_id: str = ""
     shm_name: str = ""
+    key_server: str = ""  # where the owner serves committed objects by key (owner_server.py); "": it does not
 
 
 @dataclass(frozen=True, slots=True)

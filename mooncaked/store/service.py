@@ -28,6 +28,7 @@ from mooncaked.store.fast_path import FastPathServer
 from mooncaked.store.fencing import Gate
 from mooncaked.store.errors import FailedPrecondition, InvalidArgument, NoRoom, NotFound, StoreError, StoreUnavailable
 from mooncaked.store.master import StoreMaster
+from mooncaked.store.owner_acks import OwnerAcks
 from mooncaked.store.pool_events import PoolEventHub
 from mooncaked.store.records import ObjectView, Policy, PoolEventKind, PromotionPending, Task
 
@@ -39,6 +40,10 @@ TICK_S = 0.1
 JOURNAL_FLUSH_S = 0.01
 """Journal entries (what was committed to a client's DRAM) go out batched this long after the first."""
 MAX_JOURNAL_ENTRIES = 4096  # per message (~200 KB)
+SERVE_WINDOW_S = 2.5
+"""How long after a Ping was sent its owner may serve reads by key (owner_server.py): a Remove waits at
+most this (and ACK_MARGIN_S) for an owner that does not acknowledge the batch taking the keys away."""
+ACK_MARGIN_S = 0.25
 # Messages queued for one client's Tasks stream before the master gives up on it: a client that
 # stopped reading (hung, or hostile) would otherwise grow the master's memory without bound. At the
 # journal's pace (one message per JOURNAL_FLUSH_S while it is written to) this is minutes of silence.
@@ -98,6 +103,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self.fast_path_port = 0  # set by MasterRunner once the fast path listens
         self.fast_path_unix = ""  # and its Unix socket, for clients on this host
         self.pool_events = PoolEventHub(self.master)
+        self._owners = OwnerAcks()  # journal numbering and acknowledgements of owners serving by key
 
     # -- hooks of the state machine ------------------------------------------------------------
     def send_task(self, task: Task) -> None:
@@ -111,6 +117,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     def client_dropped(self, client_id: str) -> None:
         self._journal.pop(client_id, None)
+        self._owners.dropped(client_id)  # it remounts (its journal numbering starts again) or is gone
         q = self._queues.pop(client_id, None)
         if q is not None:
             q.put_nowait(None)  # ends its Tasks stream; the client remounts and reopens it
@@ -123,6 +130,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         if entries is None:
             entries = self._journal[client_id] = []
         entries.append((key, offset, size, checksum))
+        if not size:
+            self._owners.left.add(client_id)
         if self._journal_timer is None:
             try:
                 self._journal_timer = asyncio.get_running_loop().call_later(JOURNAL_FLUSH_S, self.flush_journal)
@@ -130,14 +139,20 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
                 self._journal.clear()
 
     def flush_journal(self) -> None:
-        """Send each client what changed in its DRAM since the last flush, on its Tasks stream."""
+        """Send each client what changed in its DRAM since the last flush, on its Tasks stream, in
+        batches numbered per client (an owner serving by key acknowledges those that take keys away)."""
+        if self._journal_timer is not None:
+            self._journal_timer.cancel()
         self._journal_timer = None
         pending, self._journal = self._journal, {}
+        self._owners.left.clear()
         for client_id, entries in pending.items():
             if client_id not in self.master.clients:
                 continue  # dropped: it remounts with what its own journal holds
             for start in range(0, len(entries), MAX_JOURNAL_ENTRIES):
-                self._enqueue(client_id, convert.journal_to_proto(entries[start:start + MAX_JOURNAL_ENTRIES]))
+                chunk = entries[start:start + MAX_JOURNAL_ENTRIES]
+                seq = self._owners.number(client_id, any(not e[2] for e in chunk))
+                self._enqueue(client_id, convert.journal_to_proto(chunk, seq, self.master.epoch))
 
     def _enqueue(self, client_id: str, item: Task | store_pb2.TierTask) -> None:
         """Queue for a client's Tasks stream; a client that has left MAX_QUEUED_TASKS unread is dropped
@@ -177,6 +192,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         self.close_streams()
         self._queues.clear()
         self._journal.clear()
+        self._owners = OwnerAcks()
         for fut in self._promotions.values():
             if not fut.done():
                 fut.set_result(False)
@@ -190,6 +206,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
     @_now
     def MountSegment(self, request, context):
         self.master.mount(request.client_id, convert.segment_from_proto(request.segment))
+        self._owners.mounted(request.client_id, request.segment.endpoint.key_server)
         return store_pb2.MountSegmentReply(ok=True, master_epoch=self.master.epoch)
 
     @_now
@@ -197,6 +214,7 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         # the messages as they are: they read as ObjectRecords (a remount may re-report millions)
         accepted, rejected = self.master.mount(request.client_id, convert.segment_from_proto(request.segment),
                                                request.objects)
+        self._owners.mounted(request.client_id, request.segment.endpoint.key_server)
         metrics.OBJECTS_REBUILT.inc(accepted)
         return store_pb2.RemountSegmentReply(objects_accepted=accepted, master_epoch=self.master.epoch,
                                              rejected_keys=rejected)
@@ -218,7 +236,15 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def Ping(self, request, context):
-        return store_pb2.PingReply(known=self.master.ping(request.client_id), master_epoch=self.master.epoch)
+        client = request.client_id
+        if request.touched:
+            self.master.touched(request.touched)
+        if client in self._journal:  # the reply names every batch made so far (owner_server.py's window)
+            self.flush_journal()
+        owners = self._owners
+        return store_pb2.PingReply(known=self.master.ping(client), master_epoch=self.master.epoch,
+                                   journal_seq=owners.seq.get(client, 0),
+                                   serve_window_s=SERVE_WINDOW_S if client in owners.serving else 0.0)
 
     # -- put ----------------------------------------------------------------------------------------
     def _put_start(self, r: store_pb2.PutStartRequest) -> store_pb2.PutStartReply:
@@ -442,7 +468,15 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
 
     @_now
     def Remove(self, request, context):
-        return store_pb2.RemoveReply(removed=self.master.remove(request.keys))
+        """Answered once no owner serves the removed keys by key any more (owner_server.py): each owner
+        they left acknowledged the journal batch saying so, or its serve window has run out."""
+        reply = store_pb2.RemoveReply(removed=self.master.remove(request.keys))
+        owners = self._owners
+        if not owners.left & owners.serving:
+            return reply
+        self.flush_journal()
+        waits = owners.unacked()
+        return owners.wait(waits, SERVE_WINDOW_S + ACK_MARGIN_S, reply) if waits else reply
 
     @_now
     def PoolStats(self, request, context):
@@ -505,6 +539,8 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
         if request.client_id not in self.master.clients:
             raise FailedPrecondition(f"client {request.client_id!r} is not known (declared dead?): remount")
         accepted = self.master.task_done(request.client_id, [(r.task_id, r.ok, r.error) for r in request.results])
+        if request.journal_seq:
+            self._owners.acked(request.client_id, request.journal_seq)
         return store_pb2.TaskDoneReply(accepted=accepted)
 
 

@@ -24,7 +24,9 @@ from mooncaked.store.convert import TASK_KIND_NAMES
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
+from mooncaked.store.owner_server import ServeWindow
 from mooncaked.store.records import checksum
+from mooncaked.tasks import spawn
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ RETRY_S = 0.2
 class TierWorker:
     def __init__(self, client_id: str, stub: store_pb2_grpc.StoreMasterStub, dram: DramSegment | None,
                  lmdb: LmdbTier | None, rpc_timeout_s: float, remount_needed: Callable[[], None],
-                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None) -> None:
+                 lmdb_thread: Executor | None = None, journal: DramJournal | None = None,
+                 window: ServeWindow | None = None) -> None:
         self.client_id = client_id
         self._stub = stub
         self._dram = dram
@@ -45,6 +48,7 @@ class TierWorker:
         self._remount_needed = remount_needed
         self._lmdb_thread = lmdb_thread
         self.journal = journal if journal is not None else DramJournal()
+        self.window = window  # owner reads by key: a batch taking keys away is acknowledged (owner_server.py)
         self._inbox: asyncio.Queue[store_pb2.TierTask] = asyncio.Queue()
         self.done = 0  # tasks carried out (tests and drain wait on it)
 
@@ -58,6 +62,7 @@ class TierWorker:
                     quiet_failures = 0
                     if task.kind == store_pb2.TierTask.KIND_JOURNAL:
                         self.journal.apply(task.journal)
+                        self._applied(task)
                     else:
                         self._inbox.put_nowait(task)
             except Exception as e:  # noqa: BLE001 - the stream is reopened whatever broke it
@@ -70,6 +75,22 @@ class TierWorker:
                     if quiet_failures == 1:
                         logger.warning("store tasks stream of %s broke (%s); reopening", self.client_id, e.code().name)
             await asyncio.sleep(RETRY_S)
+
+    def _applied(self, task: store_pb2.TierTask) -> None:
+        """A journal batch is in the journal: owner reads stop serving what it took away, so say so
+        at once (a Remove waits for it)."""
+        if self.window is None or not task.journal_seq:
+            return
+        self.window.journal_applied(task.master_epoch, task.journal_seq)
+        if any(not e.size for e in task.journal):
+            spawn(self._ack(task.journal_seq), f"store-journal-ack-{self.client_id}")
+
+    async def _ack(self, seq: int) -> None:
+        try:
+            await self._stub.TaskDone(store_pb2.TaskDoneRequest(client_id=self.client_id, journal_seq=seq),
+                                      timeout=self._timeout)
+        except grpc.aio.AioRpcError as e:  # the Remove waiting for it waits out our window instead
+            logger.debug("store client %s: journal batch %d not acknowledged: %s", self.client_id, seq, e.code().name)
 
     def drop_queued(self) -> int:
         """The master changed (a new leader, or a restart): tasks the old one ordered and we have not

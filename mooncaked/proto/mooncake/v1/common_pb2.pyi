@@ -104,18 +104,20 @@ class InstanceLoad(_message.Message):
     def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_hit_blocks: _Optional[int] = ..., prefix_query_blocks: _Optional[int] = ..., prefill_tokens_computed: _Optional[int] = ..., prompt_tokens_cached: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class TransferEndpoint(_message.Message):
-    __slots__ = ("address", "backend", "region", "same_host_id", "shm_name")
+    __slots__ = ("address", "backend", "region", "same_host_id", "shm_name", "key_server")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_SERVER_FIELD_NUMBER: _ClassVar[int]
     address: str
     backend: str
     region: str
     same_host_id: str
     shm_name: str
-    def __init__(self, address: _Optional[str] = ..., backend: _Optional[str] = ..., region: _Optional[str] = ..., same_host_id: _Optional[str] = ..., shm_name: _Optional[str] = ...) -> None: ...
+    key_server: str
+    def __init__(self, address: _Optional[str] = ..., backend: _Optional[str] = ..., region: _Optional[str] = ..., same_host_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., key_server: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "element_size", "num_blocks", "bytes_per_block", "kv_stride_bytes", "layer_stride_bytes", "base_offset")

@@ -384,18 +384,24 @@ class RemoveReply(_message.Message):
     def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
-    __slots__ = ("client_id",)
+    __slots__ = ("client_id", "touched")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOUCHED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
-    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+    touched: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., touched: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PingReply(_message.Message):
-    __slots__ = ("known", "master_epoch")
+    __slots__ = ("known", "master_epoch", "journal_seq", "serve_window_s")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    SERVE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     known: bool
     master_epoch: int
-    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ...) -> None: ...
+    journal_seq: int
+    serve_window_s: float
+    def __init__(self, known: _Optional[bool] = ..., master_epoch: _Optional[int] = ..., journal_seq: _Optional[int] = ..., serve_window_s: _Optional[float] = ...) -> None: ...
 
 class TasksRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -404,7 +410,7 @@ class TasksRequest(_message.Message):
     def __init__(self, client_id: _Optional[str] = ...) -> None: ...
 
 class TierTask(_message.Message):
-    __slots__ = ("task_id", "kind", "key", "size", "checksum", "src_segment", "src_offset", "dst_segment", "dst_offset", "journal")
+    __slots__ = ("task_id", "kind", "key", "size", "checksum", "src_segment", "src_offset", "dst_segment", "dst_offset", "journal", "journal_seq", "master_epoch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[TierTask.Kind]
@@ -429,6 +435,8 @@ class TierTask(_message.Message):
     DST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
     JOURNAL_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MASTER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     task_id: int
     kind: TierTask.Kind
     key: str
@@ -439,7 +447,9 @@ class TierTask(_message.Message):
     dst_segment: str
     dst_offset: int
     journal: _containers.RepeatedCompositeFieldContainer[JournalEntry]
-    def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TierTask.Kind, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[str] = ..., dst_offset: _Optional[int] = ..., journal: _Optional[_Iterable[_Union[JournalEntry, _Mapping]]] = ...) -> None: ...
+    journal_seq: int
+    master_epoch: int
+    def __init__(self, task_id: _Optional[int] = ..., kind: _Optional[_Union[TierTask.Kind, str]] = ..., key: _Optional[str] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., dst_segment: _Optional[str] = ..., dst_offset: _Optional[int] = ..., journal: _Optional[_Iterable[_Union[JournalEntry, _Mapping]]] = ..., journal_seq: _Optional[int] = ..., master_epoch: _Optional[int] = ...) -> None: ...
 
 class JournalEntry(_message.Message):
     __slots__ = ("key", "offset", "size", "checksum")
@@ -464,12 +474,14 @@ class TaskResult(_message.Message):
     def __init__(self, task_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class TaskDoneRequest(_message.Message):
-    __slots__ = ("client_id", "results")
+    __slots__ = ("client_id", "results", "journal_seq")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    JOURNAL_SEQ_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     results: _containers.RepeatedCompositeFieldContainer[TaskResult]
-    def __init__(self, client_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ...) -> None: ...
+    journal_seq: int
+    def __init__(self, client_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[TaskResult, _Mapping]]] = ..., journal_seq: _Optional[int] = ...) -> None: ...
 
 class TaskDoneReply(_message.Message):
     __slots__ = ("accepted",)

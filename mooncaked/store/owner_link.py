@@ -1,0 +1,199 @@
+"""A reader's connections to DRAM owners' key servers (owner_server.py): one per owner, requests
+pipelined, each answer's bytes received straight into the memory the caller names.
+
+A read waits CONNECT_GRACE_S at most for a connection still opening (it goes on opening for the
+next read). Every read has a short deadline (GRACE_S plus the bytes at SLOW_BYTES_PER_S): the master's path
+is the fallback, so a stalled owner must not hold a get for long. A connection whose answer is
+late, or whose caller went away, is dropped at once, so nothing lands later in memory given back.
+An owner that could not be reached, or answered late, is not asked again for DOWN_S: its readers
+go through the master meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from mooncaked.store.owner_wire import REPLY, SERVED, KeyRequest, WireError, pack_request
+from mooncaked.store.master_link import host_of
+from mooncaked.transfer import TransferError
+from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, authenticated, open_socket
+
+logger = logging.getLogger(__name__)
+
+DOWN_S = 1.0  # after a failed connection or a late answer, that owner is read through the master this long
+GRACE_S = 0.05  # an owner's answer is given up after this, plus its bytes at SLOW_BYTES_PER_S
+SLOW_BYTES_PER_S = 100e6
+CONNECT_GRACE_S = 0.2  # a read waits this long for a new connection; it keeps opening in the background
+_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class OwnerRead:
+    """One object asked of an owner: its bytes land in `into` (exactly `size` bytes) when served."""
+
+    key: str
+    size: int
+    checksum: int
+    into: memoryview
+
+
+class _Pending:
+    __slots__ = ("req_id", "into", "fut")
+
+    def __init__(self, req_id: int, into: memoryview, fut: asyncio.Future[int]) -> None:
+        self.req_id, self.into, self.fut = req_id, into, fut
+
+
+class _Conn(asyncio.BufferedProtocol):
+    """Answers arrive in request order: a header, then (when served) the bytes, into the request's memory."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.pending: deque[_Pending] = deque()
+        self.closed = False
+        self._hdr = bytearray(REPLY.size)
+        self._hpos = 0
+        self._body: memoryview | None = None  # the served bytes' destination while they arrive
+        self._bpos = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(ConnectionError(f"owner connection lost ({exc or 'closed'})"))
+
+    def fail(self, e: Exception) -> None:
+        self.closed = True
+        while self.pending:
+            p = self.pending.popleft()
+            if not p.fut.done():
+                p.fut.set_exception(e)
+        if self.transport is not None:
+            self.transport.abort()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._body is not None:
+            return self._body[self._bpos:]
+        return memoryview(self._hdr)[self._hpos:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._body is not None:
+            self._bpos += nbytes
+            if self._bpos == len(self._body):
+                self._body = None
+                self._done(SERVED)
+            return
+        self._hpos += nbytes
+        if self._hpos < REPLY.size:
+            return
+        self._hpos = 0
+        req_id, status, size = REPLY.unpack(self._hdr)
+        if not self.pending or self.pending[0].req_id != req_id:
+            self.fail(WireError(f"an answer to request {req_id} nobody asked for"))
+            return
+        head = self.pending[0]
+        if status == SERVED:
+            if size != len(head.into):
+                self.fail(WireError(f"served {size} bytes for a {len(head.into)}-byte object"))
+                return
+            self._body, self._bpos = head.into, 0
+        else:
+            self._done(status)
+
+    def _done(self, status: int) -> None:
+        p = self.pending.popleft()
+        if not p.fut.done():
+            p.fut.set_result(status)
+
+    def eof_received(self) -> bool:
+        return False
+
+
+class OwnerLinks:
+    """Connections to owners by key-server address; `read` asks one owner for some objects."""
+
+    def __init__(self, token: bytes | None, timeout_s: float) -> None:
+        self.token = token
+        self.timeout_s = timeout_s
+        self._conns: dict[str, _Conn] = {}
+        self._down_until: dict[str, float] = {}
+        self._opening: dict[str, asyncio.Task[_Conn]] = {}
+
+    def reachable(self, address: str) -> bool:
+        return asyncio.get_running_loop().time() >= self._down_until.get(address, 0.0)
+
+    async def read(self, address: str, reads: list[OwnerRead]) -> list[int]:
+        """Each read's status (owner_wire): SERVED means its `into` holds the bytes the owner sent (not
+        yet checked). Raises TransferError when the owner cannot be asked or does not answer in time."""
+        loop = asyncio.get_running_loop()
+        conn = self._conns.get(address)
+        if conn is None or conn.closed:
+            conn = await self._connected(address)
+        deadline = min(self.timeout_s, GRACE_S + sum(r.size for r in reads) / SLOW_BYTES_PER_S)
+        # one timer, not asyncio.timeout: its context machinery costs more than a small read's bookkeeping
+        timer = loop.call_at(loop.time() + deadline, conn.fail, TimeoutError(f"no answer within {deadline:.3f}s"))
+        try:
+            futs = []
+            frames = []
+            for r in reads:
+                req_id = next(_ids)
+                fut = loop.create_future()
+                conn.pending.append(_Pending(req_id, r.into, fut))
+                frames.append(pack_request(KeyRequest(req_id, r.key, r.size, r.checksum)))
+                futs.append(fut)
+            assert conn.transport is not None
+            conn.transport.write(b"".join(frames))
+            await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
+            timer.cancel()
+            return [f.result() for f in futs]
+        except BaseException as e:
+            timer.cancel()
+            if self._conns.get(address) is conn:
+                del self._conns[address]
+            conn.fail(ConnectionError("a read on it was given up"))  # an answer may still come: into memory given back
+            if isinstance(e, TimeoutError):
+                self._down_until[address] = loop.time() + DOWN_S
+            if isinstance(e, (TimeoutError, OSError, ConnectionError, WireError, TransferError)):
+                raise TransferError(f"owner {address}: {e or type(e).__name__}") from None
+            raise
+
+    async def _connected(self, address: str) -> _Conn:
+        """A connection, waited for CONNECT_GRACE_S at most: one still opening then goes on in the
+        background (for the next read), and this read takes the master's path."""
+        task = self._opening.get(address)
+        if task is None:
+            task = self._opening[address] = asyncio.ensure_future(self._open(address))
+            task.add_done_callback(lambda _: self._opening.pop(address, None))
+        try:
+            async with asyncio.timeout(CONNECT_GRACE_S):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            raise TransferError(f"owner {address}: still connecting") from None
+
+    async def _open(self, address: str) -> _Conn:
+        loop = asyncio.get_running_loop()
+        host, port = host_of(address), int(address.rsplit(":", 1)[1])
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                sock = await open_socket(host, port)
+                if self.token is not None:
+                    sock = await authenticated(sock, self.token, f"the store owner at {address}", HANDSHAKE_TIMEOUT_S)
+                _, conn = await loop.create_connection(_Conn, sock=sock)
+        except (OSError, TransferError, TimeoutError) as e:
+            self._down_until[address] = loop.time() + DOWN_S
+            logger.info("store owner %s unreachable for reads by key (%s); reading through the master", address,
+                        e or type(e).__name__)
+            raise TransferError(f"owner {address}: {e or type(e).__name__}") from None
+        self._conns[address] = conn
+        return conn
+
+    def close(self) -> None:
+        for task in list(self._opening.values()):
+            task.cancel()
+        for conn in self._conns.values():
+            conn.fail(ConnectionError("closed"))
+        self._conns.clear()

@@ -1,0 +1,176 @@
+"""A DRAM segment's owner serves its committed objects by key: a get in one round trip, no master.
+
+A reader that knows an object's owner, size and checksum (from its own put, or an earlier
+lookup) asks the owner for the key. The owner answers from its DRAM journal (dram_journal.py:
+what the master says was committed here), only when the key is there with exactly that size and
+checksum, and only while its serve window is open; the reader hashes what comes back as on every
+read, and falls back to the master's path on anything else.
+
+Why the master stays the authority on existence (the serve window):
+- What leaves this DRAM (remove, eviction, demotion) reaches the owner as a journal batch, numbered
+  per client (`journal_seq`). The owner acknowledges a batch that takes keys away (TaskDone), and a
+  Remove is answered only once every owner it took keys from acknowledged, or once that owner's
+  window has certainly closed: so after a Remove, no owner serves the key.
+- The window: the owner may serve until `sent + serve_window_s` of its last Ping whose reply
+  (a) knew it under the master it follows and (b) named no journal batch it has not applied yet.
+  The master flushes a client's pending journal before answering its Ping, and waits
+  `serve_window_s` (plus a margin) for an owner that does not acknowledge: any window that owner
+  could still hold comes from a Ping sent before the batch, so it has run out by then.
+- A place reused after it was freed holds other bytes: the reader's checksum catches it.
+What is not covered: a copy dropped by eviction (or with a dead owner's segment) stops being
+served when its batch is applied (a few ms), not before the drop is visible to others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from mooncaked.store import metrics
+from mooncaked.store.dram_journal import DramJournal
+from mooncaked.store.dram_segment import DramSegment
+from mooncaked.store.owner_wire import (NOT_HELD, REPLY, SERVED, STATUS_NAMES, WINDOW_CLOSED, WireError,
+                                        read_requests)
+from mooncaked.store.guarded_conn import GuardedConnection
+from mooncaked.transfer.conn_guard import ConnLimits
+from mooncaked.transfer.handshake import ANSWER_BYTES
+
+logger = logging.getLogger(__name__)
+
+OWNER_LIMITS = ConnLimits(max_connections=256, max_unproven=64, idle_timeout_s=300.0, partial_timeout_s=10.0)
+MAX_BUFFERED = 1 << 16  # unparsed request bytes one connection may hold (a request is at most ~4 KiB)
+
+
+MAX_TOUCHED = 4096  # keys served by key reported with one ping at most (the rest go unreported)
+
+
+@dataclass(slots=True)
+class ServeWindow:
+    """Until when (loop time) this owner may serve reads by key, and what it has applied of whose journal;
+    and the keys it served since its last ping (reported with the next: the master's LRU counts them)."""
+
+    until: float = 0.0
+    epoch: int = 0  # the master whose journal batches `applied` counts
+    applied: int = 0
+    touched: set[str] = field(default_factory=set)
+
+    def take_touched(self) -> list[str]:
+        out, self.touched = list(self.touched), set()
+        return out
+
+    def open(self, now: float) -> bool:
+        return now < self.until
+
+    def close(self) -> None:
+        self.until = 0.0
+
+    def restart(self) -> None:
+        """A (re)mount: closed until a Ping vouches, and the master's numbering starts again."""
+        self.until, self.epoch, self.applied = 0.0, 0, 0
+
+    def journal_applied(self, epoch: int, seq: int) -> None:
+        """A journal batch was applied (in stream order)."""
+        if epoch != self.epoch:  # a new master: serve again only once its Ping vouches
+            self.epoch, self.until = epoch, 0.0
+        self.applied = max(self.applied, seq)
+
+    def pinged(self, sent_at: float, known: bool, epoch: int, journal_seq: int, window_s: float) -> None:
+        """A Ping sent at `sent_at` (loop time) came back with this answer."""
+        if not known or window_s <= 0:
+            self.close()
+            return
+        if epoch != self.epoch:
+            if journal_seq:  # this master numbered batches we have not seen: wait for them
+                self.close()
+                return
+            self.epoch, self.applied = epoch, 0
+        if self.applied >= journal_seq:
+            self.until = max(self.until, sent_at + window_s)
+
+
+class OwnerServer:
+    """Serves this client's DRAM objects by key (see the module docstring); `await start(host)`."""
+
+    def __init__(self, dram: DramSegment, journal: DramJournal, window: ServeWindow,
+                 token: bytes | None = None, limits: ConnLimits = OWNER_LIMITS) -> None:
+        self.dram = dram
+        self.journal = journal
+        self.window = window
+        self.token = token
+        self.limits = limits
+        self.connections: set[_Conn] = set()
+        self.unproven = 0
+        self.address = ""
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int = 0) -> str:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Conn(self), host, port, reuse_address=True)
+        bound = self._server.sockets[0].getsockname()
+        self.address = f"[{host}]:{bound[1]}" if ":" in host else f"{host}:{bound[1]}"
+        logger.info("store owner reads by key on %s", self.address)
+        return self.address
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for c in list(self.connections):
+                c.abort()
+            await self._server.wait_closed()
+            self._server = None
+
+    def answer(self, key: str, size: int, csum: int) -> tuple[int, memoryview | None]:
+        """Status and, when served, the object's bytes in DRAM."""
+        if not self.window.open(asyncio.get_running_loop().time()):
+            return WINDOW_CLOSED, None
+        found = self.journal.find(key)
+        if found is None or found[1].size != size or found[1].checksum != csum:
+            return NOT_HELD, None
+        offset = found[0]
+        if offset + size > self.dram.nbytes:
+            return NOT_HELD, None
+        if len(self.window.touched) < MAX_TOUCHED:
+            self.window.touched.add(key)
+        return SERVED, self.dram.slice(offset, size)
+
+
+class _Conn(GuardedConnection):
+    what = "store owner-read"
+
+    def __init__(self, server: OwnerServer) -> None:
+        super().__init__(server)
+        self._served = 0
+
+    def _progress(self) -> int:
+        return self._served
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self._buf += data
+        if self._handshake is not None and (len(self._buf) < ANSWER_BYTES or not self._prove()):
+            return
+        try:
+            requests, used = read_requests(self._buf)
+        except WireError as e:
+            logger.warning("closing store owner-read connection from %s: %s", self._peer, e)
+            self.abort()
+            return
+        del self._buf[:used]
+        if len(self._buf) > MAX_BUFFERED:
+            self._drop(f"{len(self._buf)} bytes of an unfinished request")
+            return
+        transport, server = self._transport, self._server
+        assert transport is not None and isinstance(server, OwnerServer)
+        for r in requests:
+            status, view = server.answer(r.key, r.size, r.checksum)
+            self._served += 1
+            metrics.owner_read(STATUS_NAMES[status]).inc()
+            if view is None:
+                transport.write(REPLY.pack(r.req_id, status, 0))
+            else:  # bytes still queued when their place is rewritten fail the reader's checksum: a fallback
+                transport.writelines((REPLY.pack(r.req_id, SERVED, r.size), view))
+
+
+__all__ = ["NOT_HELD", "SERVED", "WINDOW_CLOSED", "OwnerServer", "ServeWindow"]

@@ -1,0 +1,25 @@
+"""`tools/bench_store.py` runs end to end on a few small objects (our TCP row against no baseline):
+one JSON object with every row, the single puts with their commit behind, and the share of gets
+the owner served by key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_store_json_small() -> None:
+    proc = subprocess.run([sys.executable, "tools/bench_store.py", "--json", "--only", "ours", "--objects", "24",
+                           "--object-kib", "64", "--batch", "8", "--reps", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    ours = out["ours"]
+    for row in ("put", "put_commit_behind", "get", "batch_put", "batch_get"):
+        assert ours[row]["mb_s"] > 0, row
+    assert 0 <= ours["get_share_by_owner"] <= 1
+    assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]

@@ -1,0 +1,222 @@
+"""Gets by key from an object's owner (store/owner_server.py, owner_link.py), against a real master
+and real clients on loopback: one round trip with no master, never a removed or re-put object, a
+stalled owner's window closing before a Remove is answered, and the cluster secret."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+
+import pytest
+from store_helpers import client, metric, owner_process, pool, start
+
+from mooncaked.security import Security
+from mooncaked.store import Policy, StoreClient, StoreClientConfig
+from mooncaked.store import service
+from mooncaked.store.errors import StoreUnavailable
+from mooncaked.store.owner_wire import REPLY, KeyRequest, pack_request
+from mooncaked.store.records import checksum
+from mooncaked.store.service import MasterRunner
+
+KiB = 1024
+pytestmark = pytest.mark.timeout(90)
+
+
+def owner_gets(outcome: str) -> float:
+    return metric("mooncaked_store_client_owner_gets_total", outcome=outcome)
+
+
+def lookups() -> float:
+    return sum(metric("mooncaked_store_lookups_total", result=r) for r in ("hit", "miss"))
+
+
+async def until(cond, what: str, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def held(owner, key: str) -> None:
+    """The owner's journal has the key (the master's batch came): it serves it by key from now on."""
+    await until(lambda: owner.journal.find(key) is not None, f"{key} in the owner's journal")
+
+
+async def test_a_get_whose_owner_is_known_is_served_by_the_owner_without_the_master():
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {}), ("reader", {})
+    async with pool(*clients) as (runner, (owner, writer, reader)):
+        a, b = os.urandom(64 * KiB), os.urandom(48 * KiB)
+        assert await writer.put("o/a", a) and await writer.put("o/b", b)
+        await held(owner, "o/a")
+        await held(owner, "o/b")
+        hits, asked = owner_gets("hit"), lookups()
+        assert await writer.get("o/a") == a  # the writer knows the owner from its put
+        assert await writer.batch_get(["o/a", "o/b"]) == [a, b]
+        assert owner_gets("hit") == hits + 3 and lookups() == asked  # no lookup at the master
+        assert await reader.get("o/b") == b  # the reader learns the owner from this lookup...
+        assert lookups() == asked + 1
+        assert await reader.get("o/b") == b  # ...and asks it directly next time
+        assert lookups() == asked + 1 and owner_gets("hit") == hits + 4
+        obj = runner.master.objects["o/b"]  # the owner reports what it served with its next ping: the LRU
+        await until(lambda: obj.hits >= 2, "o/b read by key, counted at the master")  # its lookup, and one ping
+
+
+async def test_put_then_remove_through_the_master_then_get_misses():
+    """Remove is answered once the owner took the key out of its journal: a get by key right after misses,
+    and so does the master's path."""
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {}), ("other", {})
+    async with pool(*clients) as (_, (owner, writer, other)):
+        a = os.urandom(32 * KiB)
+        assert await writer.put("r/a", a)
+        await held(owner, "r/a")
+        assert await writer.get("r/a") == a
+        assert await other.remove(["r/a"]) == 1  # not through the writer: its own hint stays
+        assert owner.journal.find("r/a") is None  # the owner acknowledged before the Remove was answered
+        fallbacks = owner_gets("fallback")
+        assert await writer.get("r/a") is None
+        assert owner_gets("fallback") == fallbacks + 1  # the owner said it does not hold it; the master agreed
+
+
+async def test_an_object_put_again_with_other_bytes_is_never_served_as_the_old_one():
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("reader", {}), ("other", {})
+    async with pool(*clients) as (_, (owner, reader, other)):
+        a, a2 = os.urandom(32 * KiB), os.urandom(32 * KiB)
+        assert await other.put("p/a", a)
+        await held(owner, "p/a")
+        assert await reader.get("p/a") == a  # the reader now knows p/a's owner and checksum
+        assert await other.remove(["p/a"]) == 1
+        assert await other.put("p/a", a2)
+        await held(owner, "p/a")
+        assert await reader.get("p/a") == a2  # the owner refuses the old checksum; the master names the new one
+        assert await reader.get("p/a") == a2  # and by key from then on
+
+
+async def ask(proc: subprocess.Popen, key: str) -> str:
+    proc.stdin.write(key + "\n")
+    proc.stdin.flush()
+    return (await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)).strip()
+
+
+async def test_a_stalled_owner_cannot_serve_a_key_removed_while_it_was_stopped(monkeypatch):
+    """The owner is stopped (SIGSTOP) and cannot acknowledge; the Remove is answered only once the owner's
+    window has run out. Resumed, the owner refuses the key before it has even applied the batch."""
+    monkeypatch.setattr(service, "SERVE_WINDOW_S", 0.6)
+    runner, addr = await start(client_ttl_s=60.0)  # the master keeps it mounted: only the window protects
+    proc = owner_process(addr, "stalled")
+    writer = await client(addr, "writer")
+    other = await client(addr, "other")
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline) == "ready\n"
+        a = os.urandom(32 * KiB)
+        assert await writer.put("s/a", a)
+        async with asyncio.timeout(10):
+            while await ask(proc, "s/a") != "held":
+                await asyncio.sleep(0.01)
+        assert await writer.get("s/a") == a
+        assert owner_gets("hit") >= 1
+        proc.send_signal(signal.SIGSTOP)
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        assert await other.remove(["s/a"]) == 1
+        assert loop.time() - t >= 0.6  # no acknowledgement came: it waited the window out
+        proc.send_signal(signal.SIGCONT)
+        assert await writer.get("s/a") is None
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        for c in (other, writer):
+            await c.close()
+        await runner.stop()
+
+
+async def test_an_owner_that_lost_its_master_stops_serving_by_key(monkeypatch):
+    monkeypatch.setattr(service, "SERVE_WINDOW_S", 0.4)
+    runner, addr = await start()
+    owner = await client(addr, "owner", dram_bytes=1 << 20)
+    writer = await client(addr, "writer")
+    try:
+        a = os.urandom(16 * KiB)
+        assert await writer.put("w/a", a)
+        await held(owner, "w/a")
+        assert owner.owner_server.window.open(asyncio.get_running_loop().time())
+        await runner.stop()
+        await until(lambda: not owner.owner_server.window.open(asyncio.get_running_loop().time()), "window closed")
+        fallbacks = owner_gets("fallback")
+        with pytest.raises(StoreUnavailable):  # the owner refuses; the master's path has no master
+            await writer.get("w/a")
+        assert owner_gets("fallback") == fallbacks + 1
+    finally:
+        for c in (writer, owner):
+            await c.close()
+
+
+def _raw_request(address: str, key: str, size: int, csum: int) -> bytes:
+    """What a peer that skips the handshake gets back for a well-formed request (until the owner closes)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(pack_request(KeyRequest(1, key, size, csum)) * 8)
+        got = b""
+        try:
+            while chunk := s.recv(1 << 16):
+                got += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        return got
+
+
+async def secured_client(master: str, name: str, token: bytes, **kw) -> StoreClient:
+    c = StoreClient(StoreClientConfig(master=master, client_id=name, ping_interval_s=0.2, **kw),
+                    security=Security(token=token))
+    await c.start()
+    return c
+
+
+async def test_with_a_cluster_secret_only_peers_that_prove_it_are_served():
+    """Master, owner and readers share a secret: a reader is served by key; a peer that skips the
+    handshake gets no byte of the object; a reader whose secret the owner refuses reads through the master."""
+    secret = os.urandom(32).hex().encode()  # a token file's text
+    runner = MasterRunner(Policy(), "127.0.0.1:0", tick_s=0.05, security=Security(token=secret))
+    addr = f"127.0.0.1:{await runner.start()}"
+    owner = await secured_client(addr, "owner", secret, dram_bytes=1 << 20)
+    writer = await secured_client(addr, "writer", secret)
+    wrong = await secured_client(addr, "wrong", secret)
+    wrong._owner_links.token = os.urandom(32).hex().encode()  # right toward the master, wrong toward the owner
+    try:
+        a = os.urandom(16 * KiB)
+        assert await writer.put("t/a", a)
+        await held(owner, "t/a")
+        hits = owner_gets("hit")
+        assert await writer.get("t/a") == a
+        assert owner_gets("hit") == hits + 1
+        assert await wrong.get("t/a") == a  # the lookup: it learns the owner
+        assert await wrong.get("t/a") == a  # its owner read fails the handshake: the master's path again
+        assert owner_gets("hit") == hits + 1
+        got = await asyncio.get_running_loop().run_in_executor(
+            None, _raw_request, owner.owner_server.address, "t/a", len(a), checksum(a))
+        assert a not in got and len(got) <= REPLY.size + 64  # a challenge at most; never the object
+    finally:
+        for c in (wrong, writer, owner):
+            await c.close()
+        await runner.stop()
+
+
+async def test_bad_frames_close_the_connection_and_the_owner_serves_on():
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {})
+    async with pool(*clients) as (_, (owner, writer)):
+        a = os.urandom(16 * KiB)
+        assert await writer.put("b/a", a)
+        await held(owner, "b/a")
+        host, port = owner.owner_server.address.rsplit(":", 1)
+
+        def garbage() -> bytes:
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(b"\x00" * 64)  # a zero-length key
+                return s.recv(1 << 16)
+
+        assert await asyncio.get_running_loop().run_in_executor(None, garbage) == b""
+        hits = owner_gets("hit")
+        assert await writer.get("b/a") == a
+        assert owner_gets("hit") == hits + 1
