@@ -89,3 +89,15 @@ def _settings(argv: list[str], environ: dict[str, str] | None = None):
     parser = argparse.ArgumentParser()
     add_config_args(parser)
     return load_config(parser.parse_args(["--role", "decode", *argv]), environ or {})
+
+
+def test_int4_keeps_layers_it_cannot_pack():
+    """int4 packs inputs in groups of 32 and outputs in 16s: other shapes stay fp32, not a crash."""
+    from mooncaked.engine.quant import quantize_model
+
+    model = torch.nn.ModuleDict({"odd_out": torch.nn.Linear(64, 500, bias=False),
+                                 "odd_in": torch.nn.Linear(48, 64, bias=False),
+                                 "fits": torch.nn.Linear(64, 64, bias=False)})
+    assert quantize_model(model, "int4") == 1
+    assert isinstance(model["fits"], QuantLinear)
+    assert type(model["odd_out"]) is torch.nn.Linear and type(model["odd_in"]) is torch.nn.Linear

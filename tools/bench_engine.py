@@ -156,12 +156,21 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from mooncaked.engine import Engine
+    from mooncaked.engine.config import ConfigError
     from mooncaked.engine.precision import cpu_flags, native_bf16
 
     max_batch = max(args.batches)
     paths = list(dict.fromkeys(["fp32", *args.paths]))
-    engines = {p: Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
-                                         max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[p]) for p in paths}
+    engines, skipped = {}, {}
+    for p in paths:
+        try:
+            engines[p] = Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
+                                                max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[p])
+        except ConfigError as e:  # a path this machine cannot run (e.g. bf16 weights without AVX512/AVX-NE-CONVERT)
+            if p == "fp32":
+                raise
+            skipped[p] = str(e)
+    paths = list(engines)
     model_dir = str(engines["fp32"].model_dir)
     hfs = {"hf_fp32": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
            "hf_bf16": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()}
@@ -176,7 +185,7 @@ def main() -> int:
                "cpu": torch.backends.cpu.get_cpu_capability(),
                "cpu_native_bf16": native_bf16(cpu_flags()),
                "default_path": _describe(engines["default"].precision) if "default" in engines else None,
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
+               "skipped": skipped, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
     runs = [(b, 0) for b in args.batches]
     if args.shared_prefix:
         runs.append((max_batch, args.shared_prefix))
@@ -218,6 +227,8 @@ def main() -> int:
     else:
         print(f"model {results['model']}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
               f"{results['threads']} threads, {results['cpu']}, native bf16: {results['cpu_native_bf16']}")
+        for p, why in skipped.items():
+            print(f"skipped {p}: {why}")
         if results["default_path"]:
             print(f"default path: {results['default_path']}")
         for r in results["runs"]:

@@ -16,10 +16,15 @@ from pathlib import Path
 
 import torch
 
+from mooncaked.engine.config import ConfigError
+
 log = logging.getLogger(__name__)
 
 # x86 flags (as /proc/cpuinfo spells them) of native bf16 dot products; both measured fast with torch's oneDNN GEMMs
 NATIVE_BF16_FLAGS: frozenset[str] = frozenset({"avx512_bf16", "amx_bf16"})
+# what oneDNN's pre-packed bf16 GEMM (engine/bf16_weights.py) needs, one of these sets (its own error message)
+ONEDNN_BF16_FLAG_SETS: tuple[frozenset[str], ...] = (frozenset({"avx_ne_convert"}),
+                                                    frozenset({"avx512bw", "avx512vl", "avx512dq"}))
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,28 @@ def pick_precision(requested: torch.dtype | None, quantize: str, device: torch.d
         found = ", ".join(sorted(NATIVE_BF16_FLAGS.intersection(flags)))
         return Precision(torch.float32, "bf16", f"auto: the CPU has native bf16 ({found})")
     return Precision(torch.float32, "none", "auto: the CPU has no native bf16 (AVX512-BF16 or AMX)")
+
+
+def unsupported_reason(weights: str, device: torch.device, flags: Iterable[str]) -> str | None:
+    """Why this CPU cannot run ``weights`` (None when it can, or when its flags are unknown: then torch decides).
+
+    Only the bf16 weights have such a need: oneDNN refuses to pack bf16 weights without
+    AVX-NE-CONVERT or AVX512 BW+VL+DQ, with a RuntimeError deep in the first layer's load."""
+    flags = frozenset(flags)
+    if weights != "bf16" or device.type != "cpu" or not flags:
+        return None
+    if any(need <= flags for need in ONEDNN_BF16_FLAG_SETS):
+        return None
+    missing = " or ".join("+".join(sorted(need - flags)) for need in ONEDNN_BF16_FLAG_SETS)
+    return (f"bf16 weights (--quantize bf16) need a CPU with {missing} (oneDNN's bf16 GEMM); this CPU has "
+            f"none of them: use --dtype auto, --quantize int8/int4 or --dtype float32")
+
+
+def check_supported(precision: Precision, device: torch.device, flags: Iterable[str]) -> None:
+    """Refuse, with a ConfigError naming the missing CPU flags, a precision this CPU cannot run."""
+    reason = unsupported_reason(precision.weights, device, flags)
+    if reason is not None:
+        raise ConfigError(reason)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4")
 INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
+INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
 SMALL_M = {"int8": 64, "int4": 64}
 
@@ -118,11 +119,14 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) ->
                 continue
             if child_name == "lm_head" and not include_lm_head:
                 continue
-            if mode == "int4" and child.in_features % INT4_GROUP:
-                log.warning("quantize: %s.%s kept unquantized (in_features %d not a multiple of %d)",
-                            name, child_name, child.in_features, INT4_GROUP)
+            if mode == "int4" and (child.in_features % INT4_GROUP or child.out_features % INT4_ROWS):
+                log.warning("quantize: %s.%s kept unquantized (%d x %d: int4 needs inputs a multiple of %d, "
+                            "outputs of %d)", name, child_name, child.out_features, child.in_features,
+                            INT4_GROUP, INT4_ROWS)
                 continue
-            setattr(module, child_name, QuantLinear(child, mode))
+            quantized = QuantLinear(child, mode)
+            # the head decides near-tied tokens: its best candidates are rescored in fp32 (bf16_weights.py)
+            setattr(module, child_name, CandidateHead(child, cheap=quantized) if child_name == "lm_head" else quantized)
             count += 1
     return count
 
