@@ -15,7 +15,7 @@ from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
 from mooncaked.engine.precision import (Precision, check_supported, cpu_flags, native_bf16, pick_precision,
                                         unsupported_reason)
-from mooncaked.engine.quant import QuantLinear, check_quantize, greedy_agreement
+from mooncaked.engine.quant import Fp16Linear, QuantLinear, check_quantize, greedy_agreement
 from tiny_models import random_prompts
 
 CPU = torch.device("cpu")
@@ -119,13 +119,14 @@ def test_bf16_weights_stay_close_to_fp32(arch, tiny_model_factory):
     assert same >= 0.9, same
 
 
-@pytest.mark.parametrize("cheap", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("cheap", ["bf16", "int8", "int4", "fp16"])
 def test_candidate_head_is_fp32_where_it_counts(cheap):
     if cheap == "bf16" and NO_BF16_HERE is not None:
         pytest.skip(NO_BF16_HERE)
     torch.manual_seed(72)
     linear = nn.Linear(64, 512, bias=False)  # int4 packs rows in 16s
-    head = CandidateHead(linear, k=8, cheap=None if cheap == "bf16" else QuantLinear(linear, cheap))
+    layer = None if cheap == "bf16" else Fp16Linear(linear) if cheap == "fp16" else QuantLinear(linear, cheap)
+    head = CandidateHead(linear, k=8, cheap=layer)
     h = torch.randn(6, 64)
     want = linear(h)
     with torch.no_grad():

@@ -77,6 +77,7 @@ PATHS: dict[str, dict] = {
     "bf16_full": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantize": "int8"},
     "int4": {"dtype": "float32", "quantize": "int4"},
+    "fp16": {"dtype": "float32", "quantize": "fp16"},
 }
 
 
