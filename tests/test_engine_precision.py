@@ -1,5 +1,6 @@
 """The engine's precision (engine/precision.py, engine/bf16_weights.py): auto picks bf16 weights only on a
-CPU with native bf16, the bf16 path stays close to fp32, and --dtype float32 stays the exact path."""
+CPU with native bf16, fp16 weights on one with AVX2 only, refuses bf16 weights clearly where oneDNN cannot
+run them; the bf16 path stays close to fp32, and --dtype float32 stays the exact path."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from mooncaked.config import add_config_args, load_config
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.precision import (Precision, check_supported, cpu_flags, native_bf16, pick_precision,
-                                        unsupported_reason)
+from mooncaked.engine.precision import (Precision, check_supported, cpu_flags, fp16_gemm, native_bf16,
+                                        pick_precision, unsupported_reason)
 from mooncaked.engine.quant import Fp16Linear, QuantLinear, check_quantize, greedy_agreement
 from tiny_models import random_prompts
 
@@ -24,8 +25,9 @@ NO_BF16_HERE = unsupported_reason("bf16", CPU, cpu_flags())
 # /proc/cpuinfo flags of real machines (abridged)
 ZEN4 = "fpu vme avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS = "fpu avx2 avx512f avx512bw avx512_vnni amx_bf16 amx_tile amx_int8"
-ICE_LAKE = "fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni"  # AVX-512 without bf16
-HASWELL = "fpu sse4_2 avx avx2 fma"
+ICE_LAKE = "fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni"  # AVX-512 without bf16
+HASWELL = "fpu sse4_2 avx avx2 fma f16c"
+SANDY_BRIDGE = "fpu sse4_2 avx"
 ZEN3 = "fpu avx avx2 fma f16c vaes vpclmulqdq"  # this session's machine: AVX2 only
 SIERRA_FOREST = "fpu avx2 avx_vnni avx_ne_convert"  # no AVX-512, but oneDNN's bf16 path runs
 
@@ -42,8 +44,10 @@ def test_native_bf16_is_read_from_the_flags(tmp_path):
 @pytest.mark.parametrize(("flags", "requested", "quantize", "want"), [
     (ZEN4, None, "none", (torch.float32, "bf16")),
     (SAPPHIRE_RAPIDS, None, "none", (torch.float32, "bf16")),
-    (ICE_LAKE, None, "none", (torch.float32, "none")),
-    (HASWELL, None, "none", (torch.float32, "none")),
+    (ICE_LAKE, None, "none", (torch.float32, "fp16")),  # AVX2+FMA+F16C, no native bf16: fp16 weights
+    (HASWELL, None, "none", (torch.float32, "fp16")),
+    (ZEN3, None, "none", (torch.float32, "fp16")),
+    (SANDY_BRIDGE, None, "none", (torch.float32, "none")),  # no AVX2: fp32
     (ZEN4, torch.float32, "none", (torch.float32, "none")),  # --dtype float32: exact, whatever the CPU
     (ZEN4, torch.bfloat16, "none", (torch.bfloat16, "none")),
     (ZEN4, None, "int8", (torch.float32, "int8")),
@@ -93,10 +97,11 @@ def test_auto_on_a_gpu_keeps_the_models_dtype():
 def test_auto_engine_follows_this_cpu(tiny_model_factory):
     _, folder = tiny_model_factory("llama")
     engine = Engine.from_pretrained(folder, dtype="auto", block_size=4, kv_cache_bytes=4 << 20)  # as the CLI passes it
-    want = "bf16" if native_bf16(cpu_flags()) else "none"
+    want = "bf16" if native_bf16(cpu_flags()) else "fp16" if fp16_gemm(cpu_flags()) else "none"
     assert (engine.precision.dtype, engine.precision.weights) == (torch.float32, want)
     has_bf16 = any(isinstance(m, Bf16Linear) for m in engine.runner.model.modules())
     assert has_bf16 == (want == "bf16")
+    assert any(isinstance(m, Fp16Linear) for m in engine.runner.model.modules()) == (want == "fp16")
 
 
 @pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
