@@ -10,7 +10,11 @@ fp32: perplexity on a fixed paragraph and greedy agreement over 32 tokens on 16 
 - ``fp32``: ``--dtype float32``, the exact path (its tokens are compared with transformers');
 - ``bf16``: fp32 activations with bf16 weights and a bf16 head rechecked in fp32 (``--quantize bf16``);
 - ``bf16_full``: the whole model in bf16 (``--dtype bfloat16``), as transformers bf16 runs;
-- ``int8``, ``int4``: weight-only quantized linear layers under fp32 activations.
+- ``fp16``: fp16 weights under fp32 activations (fbgemm; the default on an AVX2 CPU without native bf16);
+- ``int8``, ``int4``: weight-only quantized linear layers (bf16 activations into their kernels).
+
+Every non-fp32 path's head rescores its best 16 candidates in fp32. A path this CPU cannot run (bf16
+weights without AVX512 BW/VL/DQ or AVX-NE-CONVERT) is skipped, the reason in the JSON's ``skipped``.
 
 Greedy agreement (the issue's figure) is position-wise over free-running generation: once one
 near-tied token flips, the two continuations differ and later positions rarely agree, so it is
@@ -23,6 +27,7 @@ the same: both see the same context, so one flip does not spoil the rest.
 16 and 64 and the fraction of the HBM roofline.
 
     python tools/bench_engine.py [--quick] [--json] [--model PATH] [--batches 1 16] [--paths default fp32 int8]
+    python tools/bench_engine.py --profile default [--batches 16]   # where batch 16's time goes
 """
 
 from __future__ import annotations
@@ -116,6 +121,29 @@ def teacher_forced_tops(engine, prompts: list[list[int]], continuations: list[li
     return tops
 
 
+def profile(args) -> int:
+    """Top ops of one request batch on one path: the prefill (with its first token) and the whole request."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from mooncaked.engine import Engine
+
+    batch = max(args.batches)
+    eng = Engine.from_pretrained(args.model, max_num_seqs=max(64, batch),
+                                 max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[args.profile])
+    vocab = eng.model_config.vocab_size
+    bench_ours(eng, _prompts(1, 16, vocab, 0), 4)
+    print(f"path {args.profile}: {_describe(eng.precision)}; batch {batch}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    for label, new_tokens, seed in (("prefill + first token", 1, 7), ("whole request", args.new_tokens, 8)):
+        prompts = _prompts(batch, args.prompt_len, vocab, seed)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            secs, _ = bench_ours(eng, prompts, new_tokens)
+        print(f"\n{label}: {secs:.3f} s")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
+    return 0
+
+
 def _describe(precision) -> dict:
     return {"dtype": str(precision.dtype).removeprefix("torch."), "weights": precision.weights,
             "reason": precision.reason}
@@ -141,6 +169,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="prompt 64, 16 new tokens, batch 1 and 4, no quality (< 1 min)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--profile", choices=list(PATHS), default=None,
+                    help="instead: where one path's time goes at the largest batch (torch.profiler, the prefill "
+                         "step and the whole request, top ops by self time)")
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.new_tokens, args.batches, args.reps = 64, 16, [1, 4], 1
@@ -153,6 +184,8 @@ def main() -> int:
 
         return bench_cuda(args)
     args.batches = args.batches or [1, 16]
+    if args.profile:
+        return profile(args)
 
     from transformers import AutoModelForCausalLM
 
