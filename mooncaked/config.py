@@ -451,8 +451,9 @@ class WorkerConfig(RoleConfig):
     device: str = _setting("cpu", _str, "torch device the model runs on: cpu, cuda, cuda:1", "DEVICE")
     dtype: str | None = _setting(None, _optional(_choice(DTYPES)),
                                  "auto, float32, bfloat16 or float16 (default auto: on CPU fp32 activations "
-                                 "with bf16 weights where the CPU has native bf16, else fp32; on GPU the "
-                                 "model's own); float32 is the exact path, equal to transformers", "DTYPE")
+                                 "with bf16 weights where the CPU has native bf16, fp16 weights on AVX2, "
+                                 "else fp32; on GPU the model's own); float32 is the exact path, equal to "
+                                 "transformers", "DTYPE")
     quantize: str = _setting("none", _choice(QUANTIZE_MODES),
                              "weight-only quantization of the linear layers on CPU: none (the dtype's "
                              "weights), bf16, int8, int4 or fp16 (fewer bytes per token)", "MODE")
