@@ -1,5 +1,6 @@
 """The engine's precision (engine/precision.py, engine/bf16_weights.py): auto picks bf16 weights only on a
-CPU with native bf16, the bf16 path stays close to fp32, and --dtype float32 stays the exact path."""
+CPU with native bf16, fp16 weights on one with AVX2 only, refuses bf16 weights clearly where oneDNN cannot
+run them; the bf16 path stays close to fp32, and --dtype float32 stays the exact path."""
 
 from __future__ import annotations
 
@@ -13,16 +14,22 @@ from mooncaked.config import add_config_args, load_config
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.precision import cpu_flags, native_bf16, pick_precision
-from mooncaked.engine.quant import check_quantize, greedy_agreement
+from mooncaked.engine.precision import (Precision, check_supported, cpu_flags, fp16_gemm, native_bf16,
+                                        pick_precision, unsupported_reason)
+from mooncaked.engine.quant import Fp16Linear, QuantLinear, check_quantize, greedy_agreement
 from tiny_models import random_prompts
 
 CPU = torch.device("cpu")
+# None where this CPU runs oneDNN's bf16 GEMM, else why not (the tests of the bf16 path skip with it)
+NO_BF16_HERE = unsupported_reason("bf16", CPU, cpu_flags())
 # /proc/cpuinfo flags of real machines (abridged)
 ZEN4 = "fpu vme avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS = "fpu avx2 avx512f avx512bw avx512_vnni amx_bf16 amx_tile amx_int8"
-ICE_LAKE = "fpu avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni"  # AVX-512 without bf16
-HASWELL = "fpu sse4_2 avx avx2 fma"
+ICE_LAKE = "fpu avx2 fma f16c avx512f avx512dq avx512bw avx512vl avx512_vnni"  # AVX-512 without bf16
+HASWELL = "fpu sse4_2 avx avx2 fma f16c"
+SANDY_BRIDGE = "fpu sse4_2 avx"
+ZEN3 = "fpu avx avx2 fma f16c vaes vpclmulqdq"  # this session's machine: AVX2 only
+SIERRA_FOREST = "fpu avx2 avx_vnni avx_ne_convert"  # no AVX-512, but oneDNN's bf16 path runs
 
 
 def test_native_bf16_is_read_from_the_flags(tmp_path):
@@ -37,8 +44,10 @@ def test_native_bf16_is_read_from_the_flags(tmp_path):
 @pytest.mark.parametrize(("flags", "requested", "quantize", "want"), [
     (ZEN4, None, "none", (torch.float32, "bf16")),
     (SAPPHIRE_RAPIDS, None, "none", (torch.float32, "bf16")),
-    (ICE_LAKE, None, "none", (torch.float32, "none")),
-    (HASWELL, None, "none", (torch.float32, "none")),
+    (ICE_LAKE, None, "none", (torch.float32, "fp16")),  # AVX2+FMA+F16C, no native bf16: fp16 weights
+    (HASWELL, None, "none", (torch.float32, "fp16")),
+    (ZEN3, None, "none", (torch.float32, "fp16")),
+    (SANDY_BRIDGE, None, "none", (torch.float32, "none")),  # no AVX2: fp32
     (ZEN4, torch.float32, "none", (torch.float32, "none")),  # --dtype float32: exact, whatever the CPU
     (ZEN4, torch.bfloat16, "none", (torch.bfloat16, "none")),
     (ZEN4, None, "int8", (torch.float32, "int8")),
@@ -50,6 +59,36 @@ def test_pick_precision(flags, requested, quantize, want):
     assert p.exact == (want == (torch.float32, "none"))
 
 
+@pytest.mark.parametrize(("flags", "weights", "refused"), [
+    (HASWELL, "bf16", True), (ZEN3, "bf16", True),
+    (ZEN4, "bf16", False), (ICE_LAKE, "bf16", False), (SIERRA_FOREST, "bf16", False),
+    ("", "bf16", False),  # flags unknown: torch decides (bf16_weights.py turns its refusal into a ConfigError)
+    (HASWELL, "int8", False), (HASWELL, "int4", False), (HASWELL, "none", False),
+])
+def test_cpus_that_cannot_run_a_precision_are_refused_by_name(flags, weights, refused):
+    reason = unsupported_reason(weights, CPU, flags.split())
+    assert (reason is not None) == refused
+    precision = Precision(torch.float32, weights, "requested")
+    if not refused:
+        check_supported(precision, CPU, flags.split())
+        return
+    assert "avx512bw+avx512dq+avx512vl" in reason and "avx_ne_convert" in reason
+    with pytest.raises(ConfigError, match="need a CPU with avx_ne_convert or avx512bw"):
+        check_supported(precision, CPU, flags.split())
+    assert unsupported_reason(weights, torch.device("cuda"), flags.split()) is None
+
+
+def test_bf16_weights_on_this_cpu_run_or_are_refused_clearly(tiny_model_factory):
+    """The real engine start: where oneDNN cannot pack bf16, a ConfigError before any weight is read."""
+    _, folder = tiny_model_factory("llama")
+    kw = dict(dtype="float32", quantize="bf16", block_size=4, kv_cache_bytes=4 << 20)
+    if NO_BF16_HERE is None:
+        assert isinstance(Engine.from_pretrained(folder, **kw).runner.model.lm_head, CandidateHead)
+    else:
+        with pytest.raises(ConfigError, match="bf16 weights .* need a CPU with"):
+            Engine.from_pretrained(folder, **kw)
+
+
 def test_auto_on_a_gpu_keeps_the_models_dtype():
     p = pick_precision(None, "none", torch.device("cuda"), torch.bfloat16, ZEN4.split())
     assert (p.dtype, p.weights) == (torch.bfloat16, "none")
@@ -58,12 +97,14 @@ def test_auto_on_a_gpu_keeps_the_models_dtype():
 def test_auto_engine_follows_this_cpu(tiny_model_factory):
     _, folder = tiny_model_factory("llama")
     engine = Engine.from_pretrained(folder, dtype="auto", block_size=4, kv_cache_bytes=4 << 20)  # as the CLI passes it
-    want = "bf16" if native_bf16(cpu_flags()) else "none"
+    want = "bf16" if native_bf16(cpu_flags()) else "fp16" if fp16_gemm(cpu_flags()) else "none"
     assert (engine.precision.dtype, engine.precision.weights) == (torch.float32, want)
     has_bf16 = any(isinstance(m, Bf16Linear) for m in engine.runner.model.modules())
     assert has_bf16 == (want == "bf16")
+    assert any(isinstance(m, Fp16Linear) for m in engine.runner.model.modules()) == (want == "fp16")
 
 
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, kept in fp32
 def test_bf16_weights_stay_close_to_fp32(arch, tiny_model_factory):
     _, folder = tiny_model_factory(arch)
@@ -83,16 +124,20 @@ def test_bf16_weights_stay_close_to_fp32(arch, tiny_model_factory):
     assert same >= 0.9, same
 
 
-def test_candidate_head_is_fp32_where_it_counts():
+@pytest.mark.parametrize("cheap", ["bf16", "int8", "int4", "fp16"])
+def test_candidate_head_is_fp32_where_it_counts(cheap):
+    if cheap == "bf16" and NO_BF16_HERE is not None:
+        pytest.skip(NO_BF16_HERE)
     torch.manual_seed(72)
-    linear = nn.Linear(64, 500, bias=False)
-    head = CandidateHead(linear, k=8)
+    linear = nn.Linear(64, 512, bias=False)  # int4 packs rows in 16s
+    layer = None if cheap == "bf16" else Fp16Linear(linear) if cheap == "fp16" else QuantLinear(linear, cheap)
+    head = CandidateHead(linear, k=8, cheap=layer)
     h = torch.randn(6, 64)
     want = linear(h)
     with torch.no_grad():
         got = head(h)
-    top = got.topk(8, dim=-1).indices
-    # the candidates are exact fp32 logits; the rest bf16's
+        top = head.cheap(h).float().topk(8, dim=-1).indices  # the candidates: the cheap head's best
+    # the candidates are exact fp32 logits; the rest the cheap head's
     torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
     assert (got - want).abs().max() > 1e-4
     assert torch.equal(got.argmax(-1), want.argmax(-1))

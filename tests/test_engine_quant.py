@@ -11,7 +11,8 @@ from mooncaked.config import ConfigError as SettingsError
 from mooncaked.config import add_config_args, load_config
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.quant import QuantLinear, greedy_agreement, perplexity, quantize_int4, quantize_int8
+from mooncaked.engine.bf16_weights import CandidateHead
+from mooncaked.engine.quant import Fp16Linear, QuantLinear, greedy_agreement, perplexity, quantize_int4, quantize_int8
 from tiny_models import random_prompts
 
 # Bounds on max|logit error| / max|logit| against the fp32 engine (tiny llama: 2 layers, 5 GEMMs deep).
@@ -20,7 +21,8 @@ from tiny_models import random_prompts
 # int4 in groups of 32: a weight is off by up to 1/30 of its group's range, ~8x int8's step, and these
 # random Gaussian weights (unlike the default model's Q4_1 ones) are not on a 16-level grid: 0.5, a
 # check that the int4 kernel and its packing are wired right rather than a quality claim.
-BOUND = {"int8": 0.05, "int4": 0.5}
+# fp16: weights rounded to 2^-11 relative, nothing else (fp32 activations and outputs): 0.005.
+BOUND = {"int8": 0.05, "int4": 0.5, "fp16": 0.005}
 
 
 def _engine(folder, **kw) -> Engine:
@@ -28,11 +30,13 @@ def _engine(folder, **kw) -> Engine:
     return Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=4 << 20, **kw)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "fp16"])
 def test_quantized_logits_close_to_fp32(mode, tiny_model_factory):
     _, folder = tiny_model_factory("llama")
     ref, quant = _engine(folder), _engine(folder, quantize=mode)
-    assert any(isinstance(m, QuantLinear) for m in quant.runner.model.modules())
+    layer = Fp16Linear if mode == "fp16" else QuantLinear
+    assert any(isinstance(m, layer) for m in quant.runner.model.modules())
+    assert isinstance(quant.runner.model.lm_head, CandidateHead)
     # 5 tokens: the quantized kernel; 90: above SMALL_M, the dequantize + fp32 GEMM path
     for prompt in random_prompts([5, 90], seed=7):
         want, got = ref.score(prompt), quant.score(prompt)
@@ -40,12 +44,13 @@ def test_quantized_logits_close_to_fp32(mode, tiny_model_factory):
         assert err < BOUND[mode], (mode, len(prompt), err)
 
 
-def test_int8_greedy_agrees_with_fp32_on_tiny_model(tiny_model_factory):
+@pytest.mark.parametrize("mode", ["int8", "fp16"])
+def test_int8_greedy_agrees_with_fp32_on_tiny_model(mode, tiny_model_factory):
     _, folder = tiny_model_factory("qwen2")  # biases on q/k/v: the quantized layer keeps them
     prompts = random_prompts([3, 9, 17, 40], seed=8)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in _engine(folder).generate(prompts, params)]
-    got = [o.token_ids for o in _engine(folder, quantize="int8").generate(prompts, params)]
+    got = [o.token_ids for o in _engine(folder, quantize=mode).generate(prompts, params)]
     # the tiny models' logits are scaled far apart (tiny_models.py), so int8 flips few choices; one
     # flip changes the rest of that sequence's context, so the position-wise share is the fair one
     assert greedy_agreement(want, got) >= 0.85
@@ -89,3 +94,31 @@ def _settings(argv: list[str], environ: dict[str, str] | None = None):
     parser = argparse.ArgumentParser()
     add_config_args(parser)
     return load_config(parser.parse_args(["--role", "decode", *argv]), environ or {})
+
+
+def test_int4_keeps_layers_it_cannot_pack():
+    """int4 packs inputs in groups of 32 and outputs in 16s: other shapes stay fp32, not a crash."""
+    from mooncaked.engine.quant import quantize_model
+
+    model = torch.nn.ModuleDict({"odd_out": torch.nn.Linear(64, 500, bias=False),
+                                 "odd_in": torch.nn.Linear(48, 64, bias=False),
+                                 "fits": torch.nn.Linear(64, 64, bias=False)})
+    assert quantize_model(model, "int4") == 1
+    assert isinstance(model["fits"], QuantLinear)
+    assert type(model["odd_out"]) is torch.nn.Linear and type(model["odd_in"]) is torch.nn.Linear
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_prefill_rows_use_the_kept_fp32_weights(mode):
+    """Above SMALL_M rows a layer with ``dense`` is the fp32 GEMM itself; without, its dequantized weights."""
+    torch.manual_seed(9)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    x = torch.randn(90, 64)
+    with torch.no_grad():
+        want = linear(x)
+        kept, own = QuantLinear(linear, mode, dense=True), QuantLinear(linear, mode, dense=False)
+        assert torch.equal(kept(x), want)
+        err = float((own(x) - want).abs().max() / want.abs().max())
+        assert 0 < err < BOUND[mode]
+        # few rows: both run the quantized kernel on the same quantized weights
+        torch.testing.assert_close(kept(x[:3]), own(x[:3]))

@@ -10,7 +10,11 @@ fp32: perplexity on a fixed paragraph and greedy agreement over 32 tokens on 16 
 - ``fp32``: ``--dtype float32``, the exact path (its tokens are compared with transformers');
 - ``bf16``: fp32 activations with bf16 weights and a bf16 head rechecked in fp32 (``--quantize bf16``);
 - ``bf16_full``: the whole model in bf16 (``--dtype bfloat16``), as transformers bf16 runs;
-- ``int8``, ``int4``: weight-only quantized linear layers under fp32 activations.
+- ``fp16``: fp16 weights under fp32 activations (fbgemm; the default on an AVX2 CPU without native bf16);
+- ``int8``, ``int4``: weight-only quantized linear layers (bf16 activations into their kernels).
+
+Every non-fp32 path's head rescores its best 16 candidates in fp32. A path this CPU cannot run (bf16
+weights without AVX512 BW/VL/DQ or AVX-NE-CONVERT) is skipped, the reason in the JSON's ``skipped``.
 
 Greedy agreement (the issue's figure) is position-wise over free-running generation: once one
 near-tied token flips, the two continuations differ and later positions rarely agree, so it is
@@ -23,6 +27,7 @@ the same: both see the same context, so one flip does not spoil the rest.
 16 and 64 and the fraction of the HBM roofline.
 
     python tools/bench_engine.py [--quick] [--json] [--model PATH] [--batches 1 16] [--paths default fp32 int8]
+    python tools/bench_engine.py --profile default [--batches 16]   # where batch 16's time goes
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ PATHS: dict[str, dict] = {
     "bf16_full": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantize": "int8"},
     "int4": {"dtype": "float32", "quantize": "int4"},
+    "fp16": {"dtype": "float32", "quantize": "fp16"},
 }
 
 
@@ -115,6 +121,29 @@ def teacher_forced_tops(engine, prompts: list[list[int]], continuations: list[li
     return tops
 
 
+def profile(args) -> int:
+    """Top ops of one request batch on one path: the prefill (with its first token) and the whole request."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from mooncaked.engine import Engine
+
+    batch = max(args.batches)
+    eng = Engine.from_pretrained(args.model, max_num_seqs=max(64, batch),
+                                 max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[args.profile])
+    vocab = eng.model_config.vocab_size
+    bench_ours(eng, _prompts(1, 16, vocab, 0), 4)
+    print(f"path {args.profile}: {_describe(eng.precision)}; batch {batch}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads")
+    for label, new_tokens, seed in (("prefill + first token", 1, 7), ("whole request", args.new_tokens, 8)):
+        prompts = _prompts(batch, args.prompt_len, vocab, seed)
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            secs, _ = bench_ours(eng, prompts, new_tokens)
+        print(f"\n{label}: {secs:.3f} s")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
+    return 0
+
+
 def _describe(precision) -> dict:
     return {"dtype": str(precision.dtype).removeprefix("torch."), "weights": precision.weights,
             "reason": precision.reason}
@@ -140,6 +169,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--quick", action="store_true", help="prompt 64, 16 new tokens, batch 1 and 4, no quality (< 1 min)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--profile", choices=list(PATHS), default=None,
+                    help="instead: where one path's time goes at the largest batch (torch.profiler, the prefill "
+                         "step and the whole request, top ops by self time)")
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.new_tokens, args.batches, args.reps = 64, 16, [1, 4], 1
@@ -152,16 +184,27 @@ def main() -> int:
 
         return bench_cuda(args)
     args.batches = args.batches or [1, 16]
+    if args.profile:
+        return profile(args)
 
     from transformers import AutoModelForCausalLM
 
     from mooncaked.engine import Engine
+    from mooncaked.engine.config import ConfigError
     from mooncaked.engine.precision import cpu_flags, native_bf16
 
     max_batch = max(args.batches)
     paths = list(dict.fromkeys(["fp32", *args.paths]))
-    engines = {p: Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
-                                         max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[p]) for p in paths}
+    engines, skipped = {}, {}
+    for p in paths:
+        try:
+            engines[p] = Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
+                                                max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[p])
+        except ConfigError as e:  # a path this machine cannot run (e.g. bf16 weights without AVX512/AVX-NE-CONVERT)
+            if p == "fp32":
+                raise
+            skipped[p] = str(e)
+    paths = list(engines)
     model_dir = str(engines["fp32"].model_dir)
     hfs = {"hf_fp32": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
            "hf_bf16": AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()}
@@ -176,7 +219,7 @@ def main() -> int:
                "cpu": torch.backends.cpu.get_cpu_capability(),
                "cpu_native_bf16": native_bf16(cpu_flags()),
                "default_path": _describe(engines["default"].precision) if "default" in engines else None,
-               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
+               "skipped": skipped, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "runs": []}
     runs = [(b, 0) for b in args.batches]
     if args.shared_prefix:
         runs.append((max_batch, args.shared_prefix))
@@ -218,6 +261,8 @@ def main() -> int:
     else:
         print(f"model {results['model']}, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
               f"{results['threads']} threads, {results['cpu']}, native bf16: {results['cpu_native_bf16']}")
+        for p, why in skipped.items():
+            print(f"skipped {p}: {why}")
         if results["default_path"]:
             print(f"default path: {results['default_path']}")
         for r in results["runs"]:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mooncaked.engine.config import ConfigError
+
 # bf16 logits of this model are off by ~0.1 at most; the 16 best cover every near tie we saw
 CANDIDATES = 16
 # rows the packed layout is tuned for (measured: any of 1, 16 or none gives decode steps 1.5-2x a plain GEMM)
@@ -33,7 +35,10 @@ class PackedBf16:
         self.out_features = w.shape[0]
         self.packed = None
         if w.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+            except RuntimeError as e:  # a CPU whose flags we could not read (engine/precision.py checks them)
+                raise ConfigError(f"bf16 weights are not supported on this CPU: {e}") from e
         self.plain = None if self.packed is not None else w
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,23 +68,24 @@ class Bf16Linear(nn.Module):
 
 
 class CandidateHead(nn.Module):
-    """The vocabulary head: bf16 logits for every token, fp32 for the ``k`` best of them.
+    """The vocabulary head: cheap logits for every token, fp32 for the ``k`` best of them.
 
-    Holds a bf16 copy of the head's weights and shares the fp32 ones (with the embedding when tied),
-    reading only ``k`` rows of them per token."""
+    ``cheap`` scores the whole vocabulary (default: the head's weights in bf16; engine/quant.py
+    passes an int8/int4 layer); the fp32 weights are shared (with the embedding when tied), and
+    only ``k`` rows of them are read per token."""
 
-    def __init__(self, linear: nn.Linear, k: int = CANDIDATES) -> None:
+    def __init__(self, linear: nn.Linear, k: int = CANDIDATES, cheap: nn.Module | None = None) -> None:
         super().__init__()
         if linear.bias is not None:
             raise ValueError("a vocabulary head with a bias is not supported")
         self.weight = linear.weight  # fp32, shared
-        self.weight_bf16 = PackedBf16(linear.weight)
+        self.cheap = cheap if cheap is not None else PackedBf16(linear.weight)
         self.k = min(k, linear.out_features)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         shape = h.shape
         h2 = h.reshape(-1, shape[-1])
-        logits = self.weight_bf16(h2).float()
+        logits = self.cheap(h2).float()
         top = logits.topk(self.k, dim=-1).indices  # [T, k]
         rows = self.weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # [T, k, D]
         exact = torch.bmm(rows, h2.float().unsqueeze(-1)).squeeze(-1)

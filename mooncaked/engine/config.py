@@ -205,7 +205,8 @@ class EngineConfig:
     """How an engine runs a model: where, in what precision, and with how much KV memory."""
 
     device: str = "cpu"
-    dtype: torch.dtype | None = None  # None: auto (engine/precision.py: fp32 + bf16 weights on a native-bf16 CPU)
+    # None: auto (engine/precision.py: fp32 + bf16 weights on a native-bf16 CPU, fp16 weights on AVX2)
+    dtype: torch.dtype | None = None
     block_size: int = 16
     kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 1 GiB on CPU
     gpu_memory_fraction: float = 0.85

@@ -19,7 +19,7 @@ from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
-from mooncaked.engine.precision import Precision
+from mooncaked.engine.precision import Precision, check_supported, cpu_flags
 from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
@@ -53,6 +53,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int, kv_pool: torch.Tensor | None = None,
                  stage: PipelineStage | None = None) -> None:
         self.cfg = model_cfg
+        check_supported(precision, torch.device(engine_cfg.device), cpu_flags())  # before any weight is read
         self.stage = stage or PipelineStage.of(0, 1, model_cfg.num_layers)
         self.device = torch.device(engine_cfg.device)
         self.dtype = dtype = precision.dtype

@@ -1,19 +1,21 @@
 """Weight-only quantization of the model's linear layers, done at load time (no new file format).
 
-Modes: "bf16" (engine/bf16_weights.py: bf16 weights, fp32 for the head's best candidates), "int8",
-"int4" (here).
+Modes: "bf16" (engine/bf16_weights.py: bf16 weights, fp32 for the head's best candidates), "fp16",
+"int8", "int4" (here); every mode's head rescores its best candidates in fp32 (CandidateHead).
 
 Why: a CPU decode step is bound by the bytes of weights it reads; int8 reads a quarter of fp32's,
 int4 (groups of 32) about a sixth. The kernels are torch's own (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`, as gpt-fast uses them); on AVX2 they are fast only with bf16
 activations, so a quantized layer casts its input to bf16 and its output back, while the residual
 stream, norms, attention and the KV cache stay in the model's dtype. For many rows at once
-(prefill) the kernels lose to an fp32 GEMM, so there the weight is dequantized on the fly.
+(prefill) the kernels lose to an fp32 GEMM, so there the layer uses the fp32 weights it kept
+(``dense``, where memory allows) or dequantizes its own on the fly.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,13 @@ from mooncaked.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4")
+QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4", "fp16")
 INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
+INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
 SMALL_M = {"int8": 64, "int4": 64}
+# share of the free memory the fp32 weights may keep using so that prefill runs an fp32 GEMM
+DENSE_SHARE = 0.25
 
 
 def check_quantize(mode: str, device: str) -> str:
@@ -58,15 +63,19 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
 
 
 class QuantLinear(nn.Module):
-    """A drop-in for ``nn.Linear`` (forward only) holding quantized weights."""
+    """A drop-in for ``nn.Linear`` (forward only) holding quantized weights.
 
-    def __init__(self, linear: nn.Linear, mode: str) -> None:
+    ``dense``: keep the fp32 weights for calls of more than ``small_m`` rows (prefill), where an fp32
+    GEMM beats the quantized kernel; without it such calls dequantize the weights each time."""
+
+    def __init__(self, linear: nn.Linear, mode: str, dense: bool = False) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.mode = mode
         self.out_features, self.in_features = w.shape
         self.small_m = SMALL_M[mode]
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.dense = w if dense else None  # shares the loaded tensor: no copy
         if mode == "int8":
             q, scale = quantize_int8(w)
             self.register_buffer("q", q)
@@ -74,15 +83,18 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
         else:
             q, scale, zero = quantize_int4(w)
-            self.register_buffer("q", q)  # unpacked, for the prefill path's dequantization
-            self.register_buffer("scale", scale)
-            self.register_buffer("zero", zero)
+            if not dense:  # unpacked, for the big-M path's dequantization
+                self.register_buffer("q", q)
+                self.register_buffer("scale", scale)
+                self.register_buffer("zero", zero)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
             self.register_buffer("packed", packed)
             sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
             self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense.to(dtype)
         if self.mode == "int8":
             return (self.q.to(dtype) * self.scale[:, None].to(dtype))
         n, k = self.q.shape
@@ -104,13 +116,40 @@ class QuantLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) -> int:
+class Fp16Linear(nn.Module):
+    """A drop-in for ``nn.Linear`` (forward only): fp16 weights, fp32 activations and output.
+
+    fbgemm's fp16 GEMM (``quantized::linear_dynamic_fp16``) widens the weights to fp32 in registers
+    (F16C), so it reads half of fp32's bytes and rounds nothing but the weights, to 2^-11 relative
+    (8x finer than bf16); it needs AVX2, not native bf16."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        try:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        except RuntimeError as e:  # fbgemm missing (not x86) or the CPU lacks AVX2
+            raise ConfigError(f"fp16 weights need torch's fbgemm on an AVX2 CPU: {e}") from e
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).float()
+        y = torch.ops.quantized.linear_dynamic_fp16(x2, self.packed)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True, dense: bool | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` (in place) whose input size fits ``mode``; returns
-    how many. The embedding stays as it is: a tied lm_head gets its own quantized copy."""
+    how many. The embedding stays as it is: a tied lm_head gets its own quantized copy. ``dense``
+    (QuantLinear): keep the fp32 weights for prefill; None: where they fit in DENSE_SHARE of free memory."""
     if mode == "none":
         return 0
     if mode == "bf16":
         return _bf16_weights(model)
+    if mode == "fp16":
+        return _replace_linears(model, Fp16Linear)
+    if dense is None:
+        dense = _dense_fits(model)
     count = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -118,23 +157,50 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True) ->
                 continue
             if child_name == "lm_head" and not include_lm_head:
                 continue
-            if mode == "int4" and child.in_features % INT4_GROUP:
-                log.warning("quantize: %s.%s kept unquantized (in_features %d not a multiple of %d)",
-                            name, child_name, child.in_features, INT4_GROUP)
+            if mode == "int4" and (child.in_features % INT4_GROUP or child.out_features % INT4_ROWS):
+                log.warning("quantize: %s.%s kept unquantized (%d x %d: int4 needs inputs a multiple of %d, "
+                            "outputs of %d)", name, child_name, child.out_features, child.in_features,
+                            INT4_GROUP, INT4_ROWS)
                 continue
-            setattr(module, child_name, QuantLinear(child, mode))
+            quantized = QuantLinear(child, mode, dense)
+            # the head decides near-tied tokens: its best candidates are rescored in fp32 (bf16_weights.py)
+            setattr(module, child_name, CandidateHead(child, cheap=quantized) if child_name == "lm_head" else quantized)
             count += 1
     return count
 
 
+def _dense_fits(model: nn.Module) -> bool:
+    """Whether the linear layers' fp32 weights (already loaded) may stay: their bytes within DENSE_SHARE of
+    the memory still available (Linux; elsewhere they stay)."""
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, nn.Linear))
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True
+    fits = nbytes <= DENSE_SHARE * free
+    log.info("quantize: %s the fp32 weights (%.0f MiB) for prefill (%.0f MiB free)",
+             "keeping" if fits else "not keeping", nbytes / 2**20, free / 2**20)
+    return fits
+
+
 def _bf16_weights(model: nn.Module) -> int:
+    # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
+    return _replace_linears(model, Bf16Linear, None)
+
+
+def _replace_linears(model: nn.Module, layer, cheap_head=True) -> int:
+    """Every ``nn.Linear`` becomes ``layer(linear)``; the head a CandidateHead over ``layer(head)``
+    (``cheap_head`` None: CandidateHead's own bf16 scorer)."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
-            setattr(module, name, CandidateHead(child) if name == "lm_head" else Bf16Linear(child))
+            if name == "lm_head":
+                child = CandidateHead(child, cheap=layer(child) if cheap_head else None)
+            else:
+                child = layer(child)
+            setattr(module, name, child)
             count += 1
     return count
 

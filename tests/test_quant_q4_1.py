@@ -1,0 +1,64 @@
+"""int4 on a Q4_1 GGUF (the default model's format): the re-quantization at load time recovers the
+file's own grid, so the int4 kernel multiplies by exactly the weights the fp32 path holds.
+
+A Q4_1 block is w = d*q + m (q in 0..15, d and m fp16), quantized by llama.cpp (and gguf-py, whose
+quantizer the GGUF here is written with) from its block's min and max, so q = 0 and q = 15 both occur
+and min/max recover d and m (measured on the default model: all 3,317,760 blocks, 0 of 106M q's differ;
+docs/performance.md "Engine"). The kernel takes bf16 scales and zeros: exact where d and m + 8d are
+bf16-representable, which the weights below are built to be."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import torch
+from torch import nn
+
+from mooncaked.engine import Engine
+from mooncaked.engine.quant import INT4_GROUP, QuantLinear, quantize_int4
+from test_gguf import Vocab, bpe, bpe_vocab, tiny_llama, write_gguf  # noqa: F401 - fixtures
+
+Q = gguf.GGMLQuantizationType
+
+
+def _on_q4_1_grid(model: nn.Module, seed: int) -> nn.Module:
+    """Every linear weight made of Q4_1 blocks that use q = 0 and 15, with d a power of two and
+    m a small multiple of d: every value, d and m + 8d are then exact in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim != 2 or "embed" in name:
+                continue
+            rows, cols = p.shape
+            blocks = rows * cols // INT4_GROUP
+            q = torch.randint(0, 16, (blocks, INT4_GROUP), generator=g)
+            q[:, 0], q[:, 1] = 0, 15
+            d = 2.0 ** -torch.randint(5, 9, (blocks, 1), generator=g).float()
+            m = torch.randint(-12, -3, (blocks, 1), generator=g).float() * d
+            p.copy_((d * q + m).reshape(rows, cols))
+    return model
+
+
+def test_int4_reproduces_the_q4_1_weights_exactly(tmp_path: Path, bpe_vocab: Vocab) -> None:
+    model = _on_q4_1_grid(tiny_llama(seed=3), seed=4)
+    path = write_gguf(tmp_path / "q4_1.gguf", model, bpe_vocab, Q.Q4_1)
+    kw = dict(dtype="float32", block_size=4, kv_cache_bytes=4 << 20, cache_dir=tmp_path / "cache")
+    exact = dict(Engine.from_pretrained(path, **kw).runner.model.named_modules())
+    int4 = Engine.from_pretrained(path, quantize="int4", **kw)
+    checked = 0
+    for name, layer in int4.runner.model.named_modules():
+        if not isinstance(layer, QuantLinear):
+            continue
+        w = exact[name].weight.detach()
+        q, scale, zero = quantize_int4(w)
+        back = ((q.float().view(*q.shape[:1], -1, INT4_GROUP) - 8) * scale[..., None] + zero[..., None]).view(w.shape)
+        assert torch.equal(back, w), name  # the grid recovered: the same weights, bit for bit
+        # the kernel's own weights (what a decode step multiplies by): the identity (bf16-exact) times them
+        eye = torch.eye(layer.in_features)
+        with torch.no_grad():
+            got = torch.ops.aten._weight_int4pack_mm_for_cpu(eye.bfloat16(), layer.packed, INT4_GROUP,
+                                                             layer.scales_zeros)
+        assert torch.equal(got.float().T, w), name
+        checked += 1
+    assert checked == 2 * 4  # per layer: qkv, o, gate_up, down (the 300-row head stays fp32: rows in 16s)
