@@ -212,5 +212,6 @@ class Cluster:
     async def close(self) -> None:
         for e in self.engines:
             e.close()
+        await asyncio.sleep(0)  # let the cancelled engine drivers end before the loop closes
         for t in self.transfers:
             await t.close()

@@ -176,6 +176,36 @@ async def test_a_client_that_leaves_mid_pipeline_stops_every_stage_before_the_de
         await cluster.close()
 
 
+async def test_an_abort_during_the_heads_own_ending_answers_only_once_every_stage_gave_back(models):
+    """The cancelled head ends its job itself; an abort arriving meanwhile must not answer (and so let
+    the conductor free the decode's blocks) before that ending stopped every stage's pushes."""
+    import asyncio
+
+    cluster = Cluster(models["llama"])
+    try:
+        stages = await cluster.group("g", 3, 1)
+        await cluster.serve("d1", "decode")
+        prompt = random_prompts([400], seed=9)[0]
+        task = asyncio.ensure_future(anext(cluster.conductor.generate(GenerateSpec(token_ids=prompt,
+                                                                                   sampling=_params(4)))))
+        head, last = stages[0].worker.pipeline, stages[-1].worker
+        while not last.pipeline.jobs or last.engine.stats().prefill_tokens_computed < 20:
+            await asyncio.sleep(0.005)
+        (rid, job), = head.jobs.items()
+        first = asyncio.ensure_future(head._end(job))  # as the head's cancelled prefill does
+        await asyncio.sleep(0)
+        assert job.ended.is_set() and not job.closed.is_set()
+        assert await head.abort(rid)  # the second ender: answers only after the first one finished
+        for link in stages:
+            w = link.worker
+            assert not w.pipeline.jobs and len(w.pipeline.free_slots) == 2 and not w.prefiller.pushes
+        await first
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await cluster.close()
+
+
 async def test_the_conductor_sees_a_group_as_one_unit_with_a_pipeline_time_model(models):
     """Only the head is offered (and only while every stage serves); its view spans S machines, pulls
     nothing, and predicts with the pipeline model that the group's measured times calibrate."""

@@ -53,6 +53,7 @@ INPUT_IDLE_S = 10.0  # a stage whose previous stage sent nothing for this long g
 FINISH_WAIT_S = 60.0  # a computed request nobody asks the result of is given up after this long
 STAGE_TIMEOUT_S = 600.0  # the whole of one prompt on a stage
 PUSH_TIMEOUT_S = 60.0
+END_WAIT_S = PUSH_TIMEOUT_S + CALL_TIMEOUT_S  # a second caller of _end waits this long for the first
 
 
 @dataclass
@@ -82,7 +83,8 @@ class StageJob:
     busy_s: float = 0.0
     keeper: asyncio.Task | None = None
     completed: bool = False  # this stage and every later one answered
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set as ``_end`` starts
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # set once ``_end`` gave everything back
 
 
 class Pipeline:
@@ -398,8 +400,17 @@ class Pipeline:
                 return
 
     async def _end(self, job: StageJob) -> None:
-        """Once: stop the pushes, abort the later stages if unfinished, give back blocks and the slot."""
-        if job.ended.is_set() or self.jobs.get(job.rid) is not job:
+        """Once: stop the pushes, abort the later stages if unfinished, give back blocks and the slot.
+
+        A second caller (an abort while the cancelled head is ending the job) returns only once the
+        first has finished: its answer tells the conductor the decode's blocks are safe to free."""
+        if job.ended.is_set():
+            try:
+                await asyncio.wait_for(job.closed.wait(), END_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("stage %s: %s still ending after %.0fs", self.stage, job.rid, END_WAIT_S)
+            return
+        if self.jobs.get(job.rid) is not job:
             return
         job.ended.set()
         w = self.worker
@@ -426,6 +437,7 @@ class Pipeline:
             w.prefiller.pushes.pop(job.rid, None)
             self.jobs.pop(job.rid, None)
             self.free_slots.append(job.slot)
+            job.closed.set()
 
     async def _abort_next(self, job: StageJob) -> None:
         assert job.next_link is not None
