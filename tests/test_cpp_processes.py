@@ -85,7 +85,8 @@ def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_facto
         c.kill(victim)
         killed = time.monotonic()
         t.join(60)
-        assert "at" in result and result["at"] - killed < 5.0, "the request neither retried nor failed within 5 s"
+        # a bound against a hang, not a speed test: a loaded 2-core CI host takes seconds to redo the prompt
+        assert "at" in result and result["at"] - killed < 30.0, "the request neither retried nor failed within 30 s"
         if "error" in result:  # failing cleanly is allowed: a status naming what happened
             assert result["error"].code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
         else:
@@ -96,7 +97,7 @@ def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_facto
         tokens, head = _generate(c.conductor, short, 5)
         assert tokens == ref.generate(short, SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert head == f"{survivor}-s0"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             out = subprocess.run([sys.executable, "-m", "mooncaked.ctl", "--conductor", c.conductor, "status"],
                                  capture_output=True, text=True, timeout=30)

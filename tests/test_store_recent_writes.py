@@ -71,7 +71,7 @@ async def test_a_write_whose_journal_never_reached_the_owner_survives_a_master_r
 
         await runner.stop(0)
         runner2, _ = await start(port=port, persist=False)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         while not all(await _exist(writer, list(data))):
             assert time.monotonic() < deadline, "the writer's recent writes were not taken back"
             await asyncio.sleep(0.1)
