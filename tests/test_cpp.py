@@ -206,6 +206,42 @@ async def test_an_abort_during_the_heads_own_ending_answers_only_once_every_stag
         await cluster.close()
 
 
+async def test_a_stage_whose_data_plane_dies_fails_its_request_at_once_and_it_is_retried(models, monkeypatch):
+    """A later stage's transfer engine goes away mid-prompt: the stage before it fails the request from the
+    failed write itself (its next write, or at the latest when it awaits its sends), never by waiting out an
+    idle timeout (set out of reach here), and the conductor redoes it on the other group with the tokens of
+    one whole engine. The process test (test_cpp_processes.py) kills a stage for real, with a hang bound."""
+    import asyncio
+
+    from mooncaked.instance import pipeline
+
+    monkeypatch.setattr(pipeline, "INPUT_IDLE_S", 3600.0)  # were the failure noticed only by waiting, this hangs
+    monkeypatch.setattr(pipeline, "FINISH_WAIT_S", 3600.0)
+    folder = models["llama"]
+    cluster = Cluster(folder)
+    try:
+        groups = [await cluster.group(name, 2, 1) for name in ("a", "b")]
+        await cluster.serve("d1", "decode")
+        prompt = random_prompts([400], seed=10)[0]
+        task = asyncio.ensure_future(_tokens(cluster, prompt, 4))
+        busy = None
+        while busy is None:
+            busy = next((g for g in groups if g[1].worker.pipeline.jobs
+                         and g[1].worker.engine.stats().prefill_tokens_computed >= 20), None)
+            assert not task.done(), "the prompt finished before a stage could be cut off"
+            await asyncio.sleep(0.005)
+        await busy[1].worker.transfer.close()  # the later stage's data plane is gone
+        got, first = await task
+        ref = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES)
+        assert got == ref.generate(prompt, _params(4))[0].token_ids
+        ref.close()
+        other = next(g for g in groups if g is not busy)
+        assert first.prefill_instance == other[0].worker.name  # redone on the other group
+        assert not busy[0].worker.pipeline.jobs and len(busy[0].worker.pipeline.free_slots) == 2
+    finally:
+        await cluster.close()
+
+
 async def test_the_conductor_sees_a_group_as_one_unit_with_a_pipeline_time_model(models):
     """Only the head is offered (and only while every stage serves); its view spans S machines, pulls
     nothing, and predicts with the pipeline model that the group's measured times calibrate."""
