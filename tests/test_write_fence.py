@@ -14,7 +14,7 @@ import time
 import pytest
 
 from inproc_cluster import Cluster
-from mooncaked.conductor.engine_link import ABORTED, CANCELLED, UNAVAILABLE, EngineError
+from mooncaked.conductor.engine_link import ABORTED, CANCELLED, DEADLINE, UNAVAILABLE, EngineError
 from mooncaked.engine import SamplingParams
 from mooncaked.instance import metrics
 from mooncaked.instance.local_link import LocalEngineLink
@@ -82,6 +82,63 @@ async def test_a_prefill_whose_renewals_lapse_writes_no_more_and_fails(cluster):
     target.engine_address = "inproc:d1"
     result = await p1.prefill("r2", PROMPT, params, target, 30.0)
     assert result.first_token_id >= 0 and _fenced() == before + 1
+
+
+async def test_a_prefill_that_renews_too_late_itself_is_a_deadline_not_the_decodes_fault(cluster, monkeypatch):
+    """Every renewal the prefill sends is answered, but its keeper stalls (as an overloaded process's event
+    loop does): the fence closes all the same, and the failure is DEADLINE (retried on another prefill),
+    not ABORTED, which would have the conductor mark a healthy decode dead."""
+    import asyncio
+
+    from mooncaked.instance.write_fence import WriteFence
+
+    async def stalled_keep(self) -> None:
+        await asyncio.Event().wait()  # never renews: the loop it runs on does not get to it
+
+    monkeypatch.setattr(WriteFence, "keep", stalled_keep)
+    p1 = await cluster.serve("p1", "prefill")
+    d1 = await cluster.serve("d1", "decode")
+    d1.worker.decoder.ttl_s = TTL_S
+    params = SamplingParams(max_tokens=4)
+    inner = p1.engine.layer_hook
+
+    def stalled(layer, seqs):
+        time.sleep(0.5)
+        inner(layer, seqs)
+
+    p1.engine.layer_hook = stalled
+    target = await d1.reserve("r4", PROMPT, params, 5.0)
+    target.engine_address = "inproc:d1"
+    before = _fenced()
+    with pytest.raises(EngineError) as err:
+        await p1.prefill("r4", PROMPT, params, target, 30.0)
+    assert err.value.kind == DEADLINE, err.value
+    assert "too late" in err.value.detail and "was not renewed" in err.value.detail, err.value.detail
+    assert _fenced() == before + 1
+
+
+async def test_a_pull_that_outlasts_one_renewal_keeps_the_fence_open(cluster):
+    """The prefill renews from the moment it takes the request, so its pulls (here slowed past a whole
+    TTL) cannot close the fence before the first byte is pushed."""
+    import asyncio
+
+    p1 = await cluster.serve("p1", "prefill")
+    d1 = await cluster.serve("d1", "decode")
+    d1.worker.decoder.ttl_s = TTL_S
+    params = SamplingParams(max_tokens=4)
+    fetch = p1.worker.prefiller.fetch
+    inner = fetch.prepare
+
+    async def slow_prepare(*a, **k):
+        await asyncio.sleep(2 * TTL_S)  # a pull from a busy peer
+        return await inner(*a, **k)
+
+    fetch.prepare = slow_prepare
+    target = await d1.reserve("r5", PROMPT, params, 5.0)
+    target.engine_address = "inproc:d1"
+    before = _fenced()
+    result = await p1.prefill("r5", PROMPT, params, target, 30.0)
+    assert result.first_token_id >= 0 and _fenced() == before
 
 
 async def test_a_reservation_the_decode_no_longer_holds_is_not_written_at_all(cluster):

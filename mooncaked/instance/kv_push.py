@@ -60,6 +60,7 @@ class KVPush:
     closed: bool = False  # set by stop(): no further write starts
     fence: WriteFence | None = None  # whether a write may start now (instance/write_fence.py)
     fenced: bool = False  # a write was refused by the fence: the push failed
+    fenced_late: bool = False  # ... because the fence lapsed (WriteFence.lapsed): this side renewed too late
     layer_offset: int = 0  # a pipeline stage: its first layer's index in the model (and the decode's pool)
 
     def __post_init__(self) -> None:
@@ -93,6 +94,7 @@ class KVPush:
             # the reservation may be freed (and its blocks reused) by now: this push fails, writing nothing more
             if not self.fenced:
                 self.fenced = True
+                self.fenced_late = self.fence is not None and self.fence.lapsed()
                 metrics.PUSHES_FENCED.inc()
                 why = self.fence.why_closed() if self.fence is not None else "the write fence closed"
                 log.warning("KV push to %s stopped: %s", self.peer, why)

@@ -85,19 +85,23 @@ class Prefiller:
         # the prefill samples only the first token; min_tokens still keeps it from being EOS
         one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         renewed = asyncio.ensure_future(fence.renew()) if fence.active else None
+        # renewing from the start: a pull that outlasts one renewal must not close the fence
+        keeper = spawn(fence.keep(), f"fence-{rid}") if fence.active else None
         try:
             prepared = await self.fetch.prepare(prompt, plan)
+            refused = None
+            if w.was_aborted(rid):  # its Abort overtook it: no byte may go to the decode blocks it names
+                refused = EngineError(CANCELLED, f"request {rid!r} was aborted")
+            elif renewed is not None and not await renewed:  # the decode cannot confirm the blocks are ours
+                refused = EngineError(CANCELLED if fence.gone else ABORTED, fence.why_closed())
+            if refused is not None:
+                await self.fetch.give_back(prepared)
+                raise refused
         except BaseException:
-            if renewed is not None:
-                renewed.cancel()
+            for task in (renewed, keeper):
+                if task is not None:
+                    task.cancel()
             raise
-        if w.was_aborted(rid):  # its Abort overtook it: no byte may go to the decode blocks it names
-            await self.fetch.give_back(prepared)
-            raise EngineError(CANCELLED, f"request {rid!r} was aborted")
-        if renewed is not None and not await renewed:  # the decode cannot confirm the blocks are still ours
-            await self.fetch.give_back(prepared)
-            raise EngineError(CANCELLED if fence.gone else ABORTED, fence.why_closed())
-        keeper = spawn(fence.keep(), f"fence-{rid}") if fence.active else None
         self.pushes[rid] = push
         ended = self.ended[rid] = asyncio.Event()
         self.queued_tokens += len(prompt)
@@ -125,6 +129,9 @@ class Prefiller:
             try:
                 await push.wait(PUSH_TIMEOUT_S)
             except (TransferError, asyncio.TimeoutError) as e:
+                if push.fenced_late:  # no renewal failed: this prefill was too slow; retried elsewhere, the
+                    # decode (which answered every renewal) is not blamed
+                    raise EngineError(DEADLINE, f"{w.name} renewed the decode's reservation too late: {e}") from None
                 # ABORTED: the decode side is at fault; the conductor picks another decode instance
                 raise EngineError(ABORTED, f"pushing KV to {push.peer} failed: {e}") from None
             assert push.complete, "prefill finished without pushing every layer"

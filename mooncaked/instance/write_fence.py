@@ -49,6 +49,11 @@ class WriteFence:
         """Whether a write may start now."""
         return not self.active or (not self.gone and time.monotonic() < self.open_until)
 
+    def lapsed(self) -> bool:
+        """Closed only because no renewal came in time: none failed and the decode still holds the blocks,
+        so the prefill itself was too slow (a stalled process), not the decode gone."""
+        return self.active and not self.gone and not self.last_error and time.monotonic() >= self.open_until
+
     def why_closed(self) -> str:
         if self.gone:
             return f"the decode no longer holds the reservation of {self.request_id}"
@@ -69,6 +74,7 @@ class WriteFence:
             self.gone = True
             return False
         self.open_until = max(self.open_until, sent + ttl - self.margin_s)
+        self.last_error = ""  # an earlier failure is no longer why the fence might close
         return True
 
     async def keep(self) -> None:
