@@ -52,22 +52,39 @@ def _fenced() -> float:
     return metrics.PUSHES_FENCED._value.get()
 
 
-async def test_a_prefill_whose_renewals_lapse_writes_no_more_and_fails(cluster):
+async def _pair(cluster: Cluster):
+    """A prefill and a decode whose reservations live TTL_S unrenewed."""
     p1 = await cluster.serve("p1", "prefill")
     d1 = await cluster.serve("d1", "decode")
     d1.worker.decoder.ttl_s = TTL_S
-    params = SamplingParams(max_tokens=4)
-    cut = CutRenewals(d1.worker, answers=1)  # the renewal before the prefill starts, then nothing
-    p1.worker.peers = lambda address: cut
+    return p1, d1
+
+
+def _stall(p1) -> None:
+    """The engine thread stalls before each layer's push, as a stopped process."""
     inner = p1.engine.layer_hook
 
-    def stalled(layer, seqs):  # the engine thread stalls before each layer's push, as a stopped process
+    def stalled(layer, seqs):
         time.sleep(0.5)
         inner(layer, seqs)
 
     p1.engine.layer_hook = stalled
-    target = await d1.reserve("r1", PROMPT, params, 5.0)
+
+
+async def _reserve(d1, rid: str, params: SamplingParams):
+    target = await d1.reserve(rid, PROMPT, params, 5.0)
     target.engine_address = "inproc:d1"
+    return target
+
+
+async def test_a_prefill_whose_renewals_lapse_writes_no_more_and_fails(cluster):
+    p1, d1 = await _pair(cluster)
+    params = SamplingParams(max_tokens=4)
+    cut = CutRenewals(d1.worker, answers=1)  # the renewal before the prefill starts, then nothing
+    p1.worker.peers = lambda address: cut
+    inner = p1.engine.layer_hook
+    _stall(p1)
+    target = await _reserve(d1, "r1", params)
     before = _fenced()
     with pytest.raises(EngineError) as err:
         await p1.prefill("r1", PROMPT, params, target, 30.0)
@@ -78,8 +95,7 @@ async def test_a_prefill_whose_renewals_lapse_writes_no_more_and_fails(cluster):
     # the same instance serves the next request, its renewals answered
     p1.engine.layer_hook = inner
     p1.worker.peers = cluster.fabric.get
-    target = await d1.reserve("r2", PROMPT, params, 5.0)
-    target.engine_address = "inproc:d1"
+    target = await _reserve(d1, "r2", params)
     result = await p1.prefill("r2", PROMPT, params, target, 30.0)
     assert result.first_token_id >= 0 and _fenced() == before + 1
 
@@ -96,19 +112,10 @@ async def test_a_prefill_that_renews_too_late_itself_is_a_deadline_not_the_decod
         await asyncio.Event().wait()  # never renews: the loop it runs on does not get to it
 
     monkeypatch.setattr(WriteFence, "keep", stalled_keep)
-    p1 = await cluster.serve("p1", "prefill")
-    d1 = await cluster.serve("d1", "decode")
-    d1.worker.decoder.ttl_s = TTL_S
+    p1, d1 = await _pair(cluster)
     params = SamplingParams(max_tokens=4)
-    inner = p1.engine.layer_hook
-
-    def stalled(layer, seqs):
-        time.sleep(0.5)
-        inner(layer, seqs)
-
-    p1.engine.layer_hook = stalled
-    target = await d1.reserve("r4", PROMPT, params, 5.0)
-    target.engine_address = "inproc:d1"
+    _stall(p1)
+    target = await _reserve(d1, "r4", params)
     before = _fenced()
     with pytest.raises(EngineError) as err:
         await p1.prefill("r4", PROMPT, params, target, 30.0)
@@ -122,9 +129,7 @@ async def test_a_pull_that_outlasts_one_renewal_keeps_the_fence_open(cluster):
     TTL) cannot close the fence before the first byte is pushed."""
     import asyncio
 
-    p1 = await cluster.serve("p1", "prefill")
-    d1 = await cluster.serve("d1", "decode")
-    d1.worker.decoder.ttl_s = TTL_S
+    p1, d1 = await _pair(cluster)
     params = SamplingParams(max_tokens=4)
     fetch = p1.worker.prefiller.fetch
     inner = fetch.prepare
@@ -134,8 +139,7 @@ async def test_a_pull_that_outlasts_one_renewal_keeps_the_fence_open(cluster):
         return await inner(*a, **k)
 
     fetch.prepare = slow_prepare
-    target = await d1.reserve("r5", PROMPT, params, 5.0)
-    target.engine_address = "inproc:d1"
+    target = await _reserve(d1, "r5", params)
     before = _fenced()
     result = await p1.prefill("r5", PROMPT, params, target, 30.0)
     assert result.first_token_id >= 0 and _fenced() == before
@@ -145,8 +149,7 @@ async def test_a_reservation_the_decode_no_longer_holds_is_not_written_at_all(cl
     p1 = await cluster.serve("p1", "prefill")
     d1 = await cluster.serve("d1", "decode")
     params = SamplingParams(max_tokens=4)
-    target = await d1.reserve("r3", PROMPT, params, 5.0)
-    target.engine_address = "inproc:d1"
+    target = await _reserve(d1, "r3", params)
     await d1.abort("r3", 5.0)  # freed: its blocks may be someone else's by now
     computed = p1.engine.stats().prefill_tokens_computed
     with pytest.raises(EngineError) as err:
