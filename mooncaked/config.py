@@ -464,7 +464,9 @@ class WorkerConfig(RoleConfig):
                                           "share of free GPU memory for the KV cache when kv_cache_bytes is unset",
                                           "F")
     max_num_seqs: int = _setting(64, _at_least(_int, 1), "most sequences in one batch", "N")
-    max_num_batched_tokens: int = _setting(2048, _at_least(_int, 1), "token budget of one engine step", "N")
+    max_num_batched_tokens: int | None = _setting(None, _optional(_at_least(_int, 1)),
+                                                  "token budget of one engine step (default: 2048 on GPU, 256 on "
+                                                  "CPU, where bigger steps only delay first tokens)", "N")
     max_model_len: int | None = _setting(None, _optional(_at_least(_int, 1)),
                                          "longest prompt + output in tokens (default: the model's "
                                          "max_position_embeddings)", "N")

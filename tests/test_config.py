@@ -62,7 +62,8 @@ def test_precedence_flag_over_env_over_toml_over_default(tmp_path):
     assert cfg.kv_cache_bytes == 256 << 20  # flag
     assert cfg.max_num_seqs == 4  # env over TOML
     assert cfg.block_size == 32 and cfg.model == "/m"  # TOML over default
-    assert cfg.max_num_batched_tokens == 2048  # default
+    assert cfg.max_num_batched_tokens is None  # default: by device (engine/config.py DEFAULT_STEP_TOKENS)
+    assert cfg.engine_config().step_tokens == 256  # on CPU
 
     # the config file and the role can come from the environment and the file too
     path = _toml(tmp_path, 'role = "store"\n')

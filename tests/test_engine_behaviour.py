@@ -203,3 +203,29 @@ def test_old_style_rope_config_is_read(tmp_path, llama):
     (old / "config.json").write_text(json.dumps(cfg))
     prompt = random_prompts([60], seed=16)[0]
     torch.testing.assert_close(_engine(old).score(prompt), hf_logits(hf, prompt), atol=2e-4, rtol=1e-4)
+
+
+def test_on_cpu_the_default_step_lets_prompts_finish_in_arrival_order(llama):
+    """Prompts queued together get their first tokens one after another, not all at the end of one big
+    step: on a CPU a bigger step buys no throughput and would hold every first token in it."""
+    from mooncaked.engine.config import DEFAULT_STEP_TOKENS
+
+    _, folder = llama
+    engine = _engine(folder)
+    assert engine.config.max_num_batched_tokens is None
+    assert engine.config.step_tokens == DEFAULT_STEP_TOKENS["cpu"] == 256
+    prompts = random_prompts([200, 200, 200, 200], seed=40)  # 800 tokens: one step at a 2048 budget
+    ids = [engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True)) for p in prompts]
+    first_at: dict[str, int] = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        for out in engine.step():
+            if out.token_ids:
+                first_at.setdefault(out.request_id, step)
+    order = [first_at[i] for i in ids]
+    assert order == sorted(order) and len(set(order)) == len(order), order
+    assert order[0] == 1  # the first prompt fits the first step whole
+
+    wide = _engine(folder, max_num_batched_tokens=2048)  # a budget set by hand is kept
+    assert wide.config.step_tokens == 2048

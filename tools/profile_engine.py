@@ -144,7 +144,7 @@ def measure(args: argparse.Namespace) -> dict:
         "notes": (f"measured by tools/profile_engine.py{' --quick' if args.quick else ''} on {platform.node()} "
                   f"({platform.machine()}, {args.device}, {torch.get_num_threads()} torch threads, "
                   f"torch {torch.__version__}), {engine.model_dir.name}, max_num_batched_tokens "
-                  f"{args.max_num_batched_tokens}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s"),
+                  f"{engine.config.step_tokens}, {time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s"),
     }
 
 
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default", help="'default' (bundled SmolLM2), an HF folder or a .gguf file")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--block-size", type=_positive(int), default=16, help="tokens per KV block (the cluster's)")
-    ap.add_argument("--max-num-batched-tokens", type=_positive(int), default=2048, help="token budget of one step")
+    ap.add_argument("--max-num-batched-tokens", type=_positive(int), default=None,
+                    help="token budget of one step (default: the engine's, by device)")
     ap.add_argument("--kv-cache-bytes", type=_positive(int), default=None, help="KV cache size (engine default)")
     ap.add_argument("--threads", type=_positive(int), default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--local-bps", type=_positive(float), default=10e9, help="own cache -> compute, bytes/s")

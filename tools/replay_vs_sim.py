@@ -167,7 +167,7 @@ def wait_serving(conductor: str, prefills: int, decodes: int, deadline: float, p
 
 
 def cluster_env(model: str, block_size: int, kv_cache_bytes: int, heartbeat_s: float,
-                threads: int | None = None) -> dict[str, str]:
+                threads: int | None = None, log_level: str = "INFO") -> dict[str, str]:
     """The live processes' settings; ``threads``: torch threads per process (OMP_NUM_THREADS), so that engines
     sharing this machine's cores run at the speed their profile was measured at."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
@@ -177,7 +177,7 @@ def cluster_env(model: str, block_size: int, kv_cache_bytes: int, heartbeat_s: f
                MOONCAKED_KV_CACHE_BYTES=str(kv_cache_bytes),
                MOONCAKED_STORE_DRAM_BYTES=str(kv_cache_bytes), MOONCAKED_HEARTBEAT_INTERVAL_S=str(heartbeat_s),
                MOONCAKED_HEARTBEAT_TIMEOUT_S=str(max(2.0, 10 * heartbeat_s)), MOONCAKED_DRAIN_TIMEOUT_S="5",
-               MOONCAKED_LOG_LEVEL="INFO", PYTHONUNBUFFERED="1")
+               MOONCAKED_LOG_LEVEL=log_level, PYTHONUNBUFFERED="1")
     return env
 
 
@@ -348,7 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cores = args.sim_cores if args.sim_cores is not None else float(os.cpu_count() or 1)
     threads = args.threads or int(os.cpu_count() or 1)  # torch's default: a thread per core
     sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed, cores or None, threads)
-    env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads)
+    env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads,
+                      args.log_level)
     live: dict[str, dict[str, Any]] = {}
     if args.cluster == "shared":
         with shared_cluster(env, work, args.policy, args.prefill, args.decode) as urls:
@@ -402,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", default=None, help="folder for the model, profile and logs (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="120 requests on a shared cluster (~1.5 min on 2 cores)")
     ap.add_argument("--json", metavar="OUT", help="write one JSON object to OUT ('-': stdout, no table)")
+    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING"),
+                    help="the live processes' log level; DEBUG logs each request's predicted and measured prefill "
+                         "(conductor/placement.py), in the logs folder")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:

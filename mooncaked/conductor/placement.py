@@ -113,6 +113,7 @@ class Placement:
             prefill.inflight += 1
             self.scheduler.routed(rid, route, len(ids), params.max_tokens, hashes)
             done = False
+            started = time.monotonic()
             try:
                 plan = route.plan(self.registry.find)
                 if plan is not None and not self.sees_pool():
@@ -124,6 +125,8 @@ class Placement:
                                             result.compute_s or None)
                 if result.push_bytes and result.push_s > 0:
                     self.scheduler.observe_transfer(prefill.name, "remote", result.push_bytes, result.push_s)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s", _route_trace(rid, route, len(ids), result, time.monotonic() - started))
                 return prefill, lease, result
             except asyncio.CancelledError:
                 # the client went away: stop the prefill, then (once it acknowledged) free the decode blocks
@@ -236,3 +239,15 @@ class Placement:
         if not await self.gate.wait(deadline.client_left_s()) and self.gate.starting():
             raise DeadlineExceeded("the cluster is still starting: no prefill and decode instance served "
                                    "before the request's deadline")
+
+
+def _route_trace(rid: str, route: Route, prompt_len: int, result: PrefillResult, took_s: float) -> str:
+    """One line per placed request at DEBUG: what the policy predicted against what the prefill did, so an
+    operator (or ``tools/replay_vs_sim.py``) can see where the cost model errs."""
+    d = route.decision
+    predicted = (f"predicted queue {d.predicted_ttft_s - d.predicted_prefill_s:.3f} s + prefill "
+                 f"{d.predicted_prefill_s:.3f} s, reuse {d.local_blocks}+{d.reuse_blocks - d.local_blocks} blocks"
+                 if d is not None else "no prediction")
+    return (f"route {rid}: {prompt_len} tokens -> {route.prefill.name}/{route.decode.name}; {predicted}; "
+            f"took {took_s:.3f} s (compute {result.compute_s:.3f} s, cached {result.cached_tokens}, "
+            f"computed {result.computed_tokens}, pulled {result.pulled_blocks} from {result.pulled_from or '-'})")

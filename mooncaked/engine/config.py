@@ -211,7 +211,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 1 GiB on CPU
     gpu_memory_fraction: float = 0.85
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # the token budget of one step (chunked prefill cuts prompts to it)
+    # the token budget of one step (chunked prefill cuts prompts to it); None: step_tokens() picks by device
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"  # "auto" | "flash" | "torch"
     enable_prefix_caching: bool = True
@@ -223,7 +224,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+        if self.max_num_seqs <= 0 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0):
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.attention_backend not in ("auto", "flash", "torch"):
             raise ConfigError(f"attention_backend must be auto, flash or torch, got {self.attention_backend!r}")
@@ -237,6 +238,24 @@ class EngineConfig:
         from mooncaked.engine.quant import check_quantize
 
         check_quantize(self.quantize, self.device)
+
+
+    @property
+    def step_tokens(self) -> int:
+        """The step's token budget: the one set, else ``DEFAULT_STEP_TOKENS`` for the device's kind."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return DEFAULT_STEP_TOKENS.get(torch.device(self.device).type, DEFAULT_STEP_TOKENS["cuda"])
+
+
+# A step's token budget when none is set. A GPU gains from big steps (short prompts batched keep it
+# busy). A CPU does not: prefill is compute-bound from ~100 tokens on (SmolLM2-135M on 2 AVX2 cores: 10.5
+# ms a token in a 128-token step, 11.6 in a 512-token one), so a bigger step buys no throughput and only
+# holds every prompt in it, and every running decode, until the whole step ends: 2048 tokens are ~20 s
+# there, and all the prompts batched into them got their first token at the end. With 256, prompts finish
+# about in arrival order, as the scheduler's cost model and the simulator assume (docs/performance.md,
+# "Simulator vs replay").
+DEFAULT_STEP_TOKENS = {"cuda": 2048, "cpu": 256}
 
 
 def check_device(device: str) -> torch.device:
