@@ -445,6 +445,22 @@ def test_live_pick_with_state_routes_books_and_rejects():
         pick(reg, idx, [1, 2], 10, {"p0", "p1"}, state=state)
 
 
+def test_live_transfers_are_predicted_in_the_instances_own_block_bytes():
+    """The prior's block is 1 MiB; the instances here hold 2 layers x K,V x 4 tokens x 8 floats = 512 bytes a
+    block. A pull is predicted in those bytes, so its predicted cost follows the blocks' real size."""
+    from mooncaked.conductor.router import SchedulerState, pick
+
+    reg = live_registry()
+    idx = PrefixIndex()
+    state = SchedulerState(make_policy("mooncake"), clock=lambda: 100.0)
+    pick(reg, idx, [1, 2], 10, state=state, max_tokens=4)
+    assert reg.find("p0").layout.whole_block_bytes == 512
+    for name in ("p0", "p1", "d0", "d1"):
+        assert state.models[name].transfer.block_bytes == 512
+    t = state.models["p0"].transfer
+    assert t.seconds(remote_blocks=10) == pytest.approx(10 * 512 / t.remote_bps)
+
+
 # -- how hot a prefix is (PrefixDemand) ----------------------------------------------------------------
 def test_demand_counts_recent_requests_that_held_the_whole_run_once_each():
     demand = PrefixDemand(window_s=60.0)

@@ -153,9 +153,11 @@ class SchedulerState:
     pending: dict[str, PendingBlocks] = field(default_factory=dict)
     demand: PrefixDemand = field(default_factory=PrefixDemand)
 
-    def model(self, name: str, pipeline: PipelineMember | None = None) -> InstanceModel:
+    def model(self, name: str, pipeline: PipelineMember | None = None, block_bytes: int = 0) -> InstanceModel:
         """An instance's fitted time model; a CPP group's head gets one of the whole pipeline (fill and
-        drain included), calibrated by the group's measured prefill times."""
+        drain included), calibrated by the group's measured prefill times. ``block_bytes``: the size of the
+        instance's KV block (its registered layout): transfers are predicted in its bytes, not the
+        profile's (the generic prior's 1 MiB block made a pull of 180 KiB blocks look 6x as long)."""
         m = self.models.get(name)
         if m is None:
             if pipeline is not None and pipeline.stages > 1:
@@ -164,6 +166,8 @@ class SchedulerState:
                 m = self.models[name] = pipeline_instance_model(self.profile, shape)
             else:
                 m = self.models[name] = self.profile.instance_model()
+                if block_bytes > 0:
+                    m.transfer.block_bytes = block_bytes
         return m
 
     def backlog(self, name: str) -> PrefillBacklog:
@@ -262,7 +266,7 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
     for p in registry.available("prefill"):
         if p.name in exclude:
             continue
-        model = state.model(p.name, p.pipeline)
+        model = state.model(p.name, p.pipeline, p.layout.whole_block_bytes)
         backlog = state.backlog(p.name)
         reported = p.load.queued_prefill_tokens + (p.inflight * p.layout.block_size if stateless else 0)
         from_heartbeat = model.prefill.predict(reported, 0) if reported else 0.0
@@ -276,7 +280,8 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
     by_decode: dict[str, list[_Seq]] = {}
     for s in state.seqs.values():
         by_decode.setdefault(s.decode, []).append(s)
-    decodes = [InstanceView(d.name, "decode", state.model(d.name), batch=_decode_batch(d, by_decode.get(d.name, []), now),
+    decodes = [InstanceView(d.name, "decode", state.model(d.name, block_bytes=d.layout.whole_block_bytes),
+                            batch=_decode_batch(d, by_decode.get(d.name, []), now),
                             free_kv_blocks=d.load.free_kv_blocks, total_kv_blocks=d.load.total_kv_blocks)
                for d in registry.available("decode") if d.name not in exclude]
     return ClusterView(now, tuple(prefills), tuple(decodes), look.pool_source,

@@ -109,6 +109,11 @@ class KVLayout:
         return self.block_size * self.token_bytes
 
     @property
+    def whole_block_bytes(self) -> int:
+        """One block of every layer, K and V: what a pull moves and a pool object holds."""
+        return 2 * self.num_layers * self.block_bytes
+
+    @property
     def kv_stride(self) -> int:
         return self.num_blocks * self.block_bytes
 
