@@ -211,7 +211,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # None: gpu_memory_fraction of free GPU memory, or 1 GiB on CPU
     gpu_memory_fraction: float = 0.85
     max_num_seqs: int = 64
-    # the token budget of one step (chunked prefill cuts prompts to it); None: step_tokens() picks by device
+    # the token budget of one step (chunked prefill cuts prompts to it); None: step_tokens picks by device
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"  # "auto" | "flash" | "torch"
@@ -238,7 +238,6 @@ class EngineConfig:
         from mooncaked.engine.quant import check_quantize
 
         check_quantize(self.quantize, self.device)
-
 
     @property
     def step_tokens(self) -> int:
