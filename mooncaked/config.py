@@ -467,6 +467,10 @@ class WorkerConfig(RoleConfig):
     max_num_batched_tokens: int | None = _setting(None, _optional(_at_least(_int, 1)),
                                                   "token budget of one engine step (default: 2048 on GPU, 256 on "
                                                   "CPU, where bigger steps only delay first tokens)", "N")
+    prefill_pack_tokens: int | None = _setting(None, _optional(_at_least(_int, 1)),
+                                               "prefill tokens up to which one step packs several prompts "
+                                               "(default: the whole step on GPU, 32 on CPU, where a packed "
+                                               "prompt only delays the others' first tokens)", "N")
     max_model_len: int | None = _setting(None, _optional(_at_least(_int, 1)),
                                          "longest prompt + output in tokens (default: the model's "
                                          "max_position_embeddings)", "N")
@@ -525,6 +529,7 @@ class WorkerConfig(RoleConfig):
             gpu_memory_fraction=self.gpu_memory_fraction,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            prefill_pack_tokens=self.prefill_pack_tokens,
             max_model_len=self.max_model_len,
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,

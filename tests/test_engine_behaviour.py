@@ -25,10 +25,11 @@ def _engine(folder, **kw) -> Engine:
     return Engine.from_pretrained(folder, **kw)
 
 
-def test_batched_equals_one_by_one(llama):
+@pytest.mark.parametrize("pack", [None, 2048], ids=["cpu-default-pack", "whole-step-pack"])
+def test_batched_equals_one_by_one(llama, pack):
     _, folder = llama
     prompts = random_prompts([4, 13, 26, 7, 31, 2], seed=10)
-    batched = _engine(folder).generate(prompts, GREEDY)
+    batched = _engine(folder, prefill_pack_tokens=pack).generate(prompts, GREEDY)
     single = [_engine(folder, enable_prefix_caching=False).generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in batched] == [o.token_ids for o in single]
 
@@ -205,17 +206,10 @@ def test_old_style_rope_config_is_read(tmp_path, llama):
     torch.testing.assert_close(_engine(old).score(prompt), hf_logits(hf, prompt), atol=2e-4, rtol=1e-4)
 
 
-def test_on_cpu_the_default_step_lets_prompts_finish_in_arrival_order(llama):
-    """Prompts queued together get their first tokens one after another, not all at the end of one big
-    step: on a CPU a bigger step buys no throughput and would hold every first token in it."""
-    from mooncaked.engine.config import DEFAULT_STEP_TOKENS
-
-    _, folder = llama
-    engine = _engine(folder)
-    assert engine.config.max_num_batched_tokens is None
-    assert engine.config.step_tokens == DEFAULT_STEP_TOKENS["cpu"] == 256
-    prompts = random_prompts([200, 200, 200, 200], seed=40)  # 800 tokens: one step at a 2048 budget
-    ids = [engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True)) for p in prompts]
+def _first_token_steps(engine: Engine, lengths: list[int], seed: int) -> list[int]:
+    """The step at which each of these prompts, queued together, got its first token."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=2, ignore_eos=True))
+           for p in random_prompts(lengths, seed=seed)]
     first_at: dict[str, int] = {}
     step = 0
     while engine.has_work():
@@ -223,9 +217,25 @@ def test_on_cpu_the_default_step_lets_prompts_finish_in_arrival_order(llama):
         for out in engine.step():
             if out.token_ids:
                 first_at.setdefault(out.request_id, step)
-    order = [first_at[i] for i in ids]
-    assert order == sorted(order) and len(set(order)) == len(order), order
-    assert order[0] == 1  # the first prompt fits the first step whole
+    return [first_at[i] for i in ids]
 
+
+def test_on_cpu_the_default_step_lets_prompts_finish_in_arrival_order(llama):
+    """Prompts queued together get their first tokens one after another, not all at the end of one big
+    step: on a CPU a bigger step buys no throughput and would hold every first token in it."""
+    from mooncaked.engine.config import DEFAULT_PACK_TOKENS, DEFAULT_STEP_TOKENS
+
+    _, folder = llama
+    engine = _engine(folder)
+    assert engine.config.max_num_batched_tokens is None and engine.config.prefill_pack_tokens is None
+    assert engine.config.step_tokens == DEFAULT_STEP_TOKENS["cpu"] == 256
+    assert engine.config.pack_tokens == DEFAULT_PACK_TOKENS["cpu"] == 32
+    # 800 tokens: one step at a 2048 budget; at 256 without the pack limit, the first two share step 1
+    assert _first_token_steps(engine, [200, 200, 200, 200], seed=40) == [1, 2, 3, 4]
+    assert _first_token_steps(engine, [100, 100, 100], seed=41) == [1, 2, 3]  # each alone in its step
+    assert _first_token_steps(engine, [8, 8, 8, 30], seed=42) == [1, 1, 1, 2]  # tiny prompts still pack
+
+    packed = _engine(folder, prefill_pack_tokens=256)  # a pack size set by hand is kept
+    assert _first_token_steps(packed, [100, 100, 100], seed=41) == [1, 1, 2]
     wide = _engine(folder, max_num_batched_tokens=2048)  # a budget set by hand is kept
     assert wide.config.step_tokens == 2048

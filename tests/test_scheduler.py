@@ -124,3 +124,48 @@ def test_without_the_wait_both_would_compute_the_prefix():
     plan = sched.schedule()
     assert {x.seq.request_id for x in plan.scheduled} == {"a", "near", "b"}
     assert b.num_cached_tokens == 12 and near.num_cached_tokens == 0
+
+
+def _plan(sched: Scheduler) -> list[tuple[str, int]]:
+    return [(s.seq.request_id, s.num_new_tokens) for s in sched.schedule().scheduled]
+
+
+def test_a_prompt_joins_a_step_holding_another_only_within_the_pack_tokens():
+    """Every prompt in a step waits for the whole step: a CPU, whose step cost is mostly per token,
+    packs a second prompt only while the step's prefill stays small; a prompt alone gets the budget."""
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=256, pack_tokens=32)
+    for rid in ("a", "b"):
+        sched.add(_seq(rid, 150))
+    assert _plan(sched) == [("a", 150)]  # b would have delayed a by 106 tokens of compute
+
+    tiny = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=256, pack_tokens=32)
+    for rid, n in (("p", 10), ("q", 10), ("r", 10), ("s", 10), ("t", 1)):
+        tiny.add(_seq(rid, n))
+    assert _plan(tiny) == [("p", 10), ("q", 10), ("r", 10)]  # s would make 40; t waits its turn behind s
+
+    small_first = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=256, pack_tokens=32)
+    small_first.add(_seq("small", 10))
+    small_first.add(_seq("big", 150))
+    assert _plan(small_first) == [("small", 10)]
+
+
+def test_decodes_do_not_count_against_the_pack_tokens_and_a_long_prompt_still_chunks():
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=64, pack_tokens=8)
+    sched.add(_seq("d", 8))
+    _run_step(sched, sched.schedule())  # d now decodes
+    sched.add(_seq("long", 100))
+    plan = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("d", 1), ("long", 63)]
+    _run_step(sched, plan)
+    sched.add(_seq("next", 4))
+    plan = sched.schedule()  # long's last 37 tokens are prefill: next waits for them
+    assert [(s.seq.request_id, s.num_new_tokens) for s in plan.scheduled] == [("d", 1), ("long", 37)]
+    _run_step(sched, plan)
+    assert _plan(sched) == [("d", 1), ("long", 1), ("next", 4)]
+
+
+def test_without_pack_tokens_a_step_packs_up_to_its_budget():
+    sched = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=256)
+    for rid in ("a", "b"):
+        sched.add(_seq(rid, 150))
+    assert _plan(sched) == [("a", 150), ("b", 106)]

@@ -121,6 +121,13 @@ def teacher_forced_tops(engine, prompts: list[list[int]], continuations: list[li
     return tops
 
 
+def _one_step_batch(args) -> dict:
+    """Engine settings that prefill the whole batch in one step, as ``transformers.generate`` does (a
+    serving engine on CPU prefills prompts one after another: engine/config.py DEFAULT_PACK_TOKENS)."""
+    budget = max(2048, args.prompt_len * max(args.batches))
+    return {"max_num_batched_tokens": budget, "prefill_pack_tokens": budget}
+
+
 def profile(args) -> int:
     """Top ops of one request batch on one path: the prefill (with its first token) and the whole request."""
     from torch.profiler import ProfilerActivity
@@ -130,7 +137,7 @@ def profile(args) -> int:
 
     batch = max(args.batches)
     eng = Engine.from_pretrained(args.model, max_num_seqs=max(64, batch),
-                                 max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[args.profile])
+                                 **_one_step_batch(args), **PATHS[args.profile])
     vocab = eng.model_config.vocab_size
     bench_ours(eng, _prompts(1, 16, vocab, 0), 4)
     print(f"path {args.profile}: {_describe(eng.precision)}; batch {batch}, prompt {args.prompt_len}, "
@@ -199,7 +206,7 @@ def main() -> int:
     for p in paths:
         try:
             engines[p] = Engine.from_pretrained(args.model, max_num_seqs=max(64, max_batch),
-                                                max_num_batched_tokens=max(2048, args.prompt_len), **PATHS[p])
+                                                **_one_step_batch(args), **PATHS[p])
         except ConfigError as e:  # a path this machine cannot run (e.g. bf16 weights without AVX512/AVX-NE-CONVERT)
             if p == "fp32":
                 raise

@@ -102,7 +102,9 @@ def measure(args: argparse.Namespace) -> dict:
     grid = QUICK if args.quick else FULL
     engine = Engine.from_pretrained(args.model, device=args.device, block_size=args.block_size,
                                     kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=max(64, max(grid.decode_batch)),
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    # a decode sample's prompts start together (a prefill sample is one prompt)
+                                    prefill_pack_tokens=1 << 30)
     bs = args.block_size
     limit = engine.max_model_len
     num_blocks = engine.block_manager.num_blocks

@@ -144,7 +144,8 @@ class Engine:
                                   pool, self.stage)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.hash_seed,
                                           config.enable_prefix_caching, record_events=config.record_kv_events)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.step_tokens,
+                                   config.pack_tokens)
         self.eos_token_ids = frozenset(self._eos_ids())
         self.runner.eos_token_ids = self.eos_token_ids
         # called on the engine thread after each layer wrote its KV for the step's tokens

@@ -1,8 +1,10 @@
 """Decides what runs each step: continuous batching under a token budget.
 
 Running sequences go first (decodes and the next chunk of a chunked prefill), then
-waiting ones are admitted while the step's token budget, the sequence cap and the free
-KV blocks allow. When a running sequence needs a block and none is free, the most
+waiting ones are admitted, in order, while the step's token budget, the sequence cap and the
+free KV blocks allow. A prompt joins a step that already prefills another only if the step's
+prefill tokens stay within ``pack_tokens`` with it (every prompt in a step waits for the whole
+step, so packing pays only where a step's fixed cost is large: on a GPU, not on a CPU). When a running sequence needs a block and none is free, the most
 recently admitted sequence is preempted by recompute: its blocks are released (full
 ones stay in the prefix cache) and it goes back to the front of the queue.
 """
@@ -30,6 +32,12 @@ class ScheduledSeq:
         """This chunk reaches the sequence's last token, so the step yields a new token for it."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of this chunk that are prefill, not a decode's one token."""
+        decode = self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+        return 0 if decode else self.num_new_tokens
+
 
 @dataclass
 class SchedulerOutput:
@@ -42,10 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 pack_tokens: int | None = None) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.pack_tokens = max_num_batched_tokens if pack_tokens is None else pack_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -121,6 +131,7 @@ class Scheduler:
         if out.preempted:
             return out
         deferred: list[Sequence] = []
+        prefill = sum(s.prefill_tokens for s in out.scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.input_ready is not None and seq.input_ready <= seq.imported_tokens:
@@ -129,9 +140,11 @@ class Scheduler:
             if self._prefix_in_flight(seq):
                 deferred.append(self.waiting.popleft())  # keeps its place; the ones behind it may go
                 continue
-            if not self._admit(seq, budget, out):
+            room = budget if prefill == 0 else min(budget, self.pack_tokens - prefill)
+            if room <= 0 or not self._admit(seq, budget, room, out):
                 break
             budget -= out.scheduled[-1].num_new_tokens
+            prefill += out.scheduled[-1].prefill_tokens
         self.waiting.extendleft(reversed(deferred))
         return out
 
@@ -160,7 +173,9 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, seq: Sequence, budget: int, room: int, out: SchedulerOutput) -> bool:
+        """Admit ``seq`` with a chunk of up to ``budget`` tokens, if what it has left to compute fits in
+        ``room`` (what packing leaves it) and its blocks can be had; else leave it waiting as it was."""
         bs = self.bm.block_size
         if seq.imported_blocks or seq.exact_prefix:
             seq.block_table, seq.imported_blocks = seq.imported_blocks, []
@@ -174,9 +189,9 @@ class Scheduler:
             seq.num_computed_tokens = len(matched) * bs
         n = min(seq.input_left, budget)
         need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
-        fresh = self.bm.allocate(need) if need > 0 else []
-        if fresh is None:
-            # no room: give the prefix blocks back and wait (they stay cached)
+        fresh = self.bm.allocate(need) if need > 0 and n <= room else []
+        if fresh is None or n > room:
+            # no room, in blocks or in the step: give the prefix blocks back and wait (they stay cached)
             if matched:
                 self.bm.release(matched)
                 seq.block_table, seq.block_hashes, seq.num_computed_tokens = [], [], 0
