@@ -76,3 +76,24 @@ def test_the_order_check_leaves_out_pairs_the_simulator_cannot_separate():
     assert pairs["disagree"] == [["random", "round_robin"]]  # the simulator says round_robin is faster
     assert len(pairs["agree"]) == 4
     assert pair_agreement(rows, 0.0)["disagree"] == [["random", "round_robin"], ["mooncake", "mooncaked"]]
+
+
+def test_rounds_are_averaged_and_each_kept():
+    from replay_vs_sim import mean_of_rounds
+
+    def run(ttft, hit, computed):
+        return {"requests": {"sent": 10, "completed": 10, "failed": 0}, "mean_ttft_s": ttft, "p90_ttft_s": 2 * ttft,
+                "cache_hit_rate": hit, "prefill_tokens_computed": computed}
+
+    one = run(1.0, 0.2, 100)
+    assert mean_of_rounds([one]) is one
+    two = mean_of_rounds([run(1.0, 0.2, 100), run(3.0, 0.3, 103)])
+    assert two["mean_ttft_s"] == 2.0 and two["p90_ttft_s"] == 4.0 and two["prefill_tokens_computed"] == 102
+    assert abs(two["cache_hit_rate"] - 0.25) < 1e-12
+    assert two["requests"] == {"sent": 20, "completed": 20, "failed": 0}
+    assert [r["mean_ttft_s"] for r in two["rounds"]] == [1.0, 3.0]
+    sim = {"a": run(1.0, 0.2, 100), "b": run(2.0, 0.2, 100)}
+    cmp = compare({"a": two, "b": run(5.0, 0.2, 100)}, sim)
+    assert [r["mean_ttft_s"] for r in cmp["policies"]["a"]["live_rounds"]] == [1.0, 3.0]
+    assert "a: live mean TTFT ms by round: 1000.0, 3000.0" in format_table(cmp)
+    assert cmp["pairs"]["agree"] == [["a", "b"]]

@@ -28,6 +28,7 @@ higher by a per-request overhead; the order of the policies is what should agree
     python tools/replay_vs_sim.py                       # 6 policies, 150 requests, --cluster all: ~5 min
     python tools/replay_vs_sim.py --quick               # --cluster shared, 120 requests: ~1.5 min on 2 cores
     python tools/replay_vs_sim.py --quick --json -      # one JSON object on stdout
+    python tools/replay_vs_sim.py --rounds 2            # each policy twice, the second round in reverse order
 """
 
 from __future__ import annotations
@@ -279,12 +280,29 @@ TIE_TOLERANCE = 0.10  # simulated mean TTFTs closer than this (relative) are a t
 FIGURES = ("cache_hit_rate", "mean_ttft_s", "p90_ttft_s", "prefill_tokens_computed")
 
 
+def mean_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's live figures over repeated runs: the mean of each, and each run's figures under
+    ``rounds`` (one run of a 2-core host moves by tens of percent with the machine's speed)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out: dict[str, Any] = {"requests": {k: sum(r["requests"][k] for r in rounds) for k in rounds[0]["requests"]},
+                           "rounds": [{k: r.get(k) for k in FIGURES} for r in rounds]}
+    for k in FIGURES:
+        values = [r.get(k) for r in rounds]
+        out[k] = None if None in values else sum(values) / len(values)
+    out["prefill_tokens_computed"] = round(out["prefill_tokens_computed"])
+    return out
+
+
 def compare(live: dict[str, dict[str, Any]], sim: dict[str, dict[str, Any]],
             tie_tolerance: float = TIE_TOLERANCE) -> dict[str, Any]:
     """Per policy the shared figures live and simulated, and the policies ordered by mean TTFT each way."""
     policies = [p for p in sim if p in live]
     rows = {p: {"live": {k: live[p].get(k) for k in FIGURES}, "sim": {k: sim[p].get(k) for k in FIGURES},
                 "live_requests": live[p]["requests"]} for p in policies}
+    for p in policies:
+        if "rounds" in live[p]:
+            rows[p]["live_rounds"] = live[p]["rounds"]
     for p, row in rows.items():
         row["hit_rate_gap"] = abs(row["live"]["cache_hit_rate"] - row["sim"]["cache_hit_rate"])
 
@@ -326,6 +344,10 @@ def format_table(cmp: dict[str, Any]) -> str:
                      f"{ms(lv['mean_ttft_s']):>17} {ms(sm['mean_ttft_s']):>7}  {ms(lv['p90_ttft_s']):>16} "
                      f"{ms(sm['p90_ttft_s']):>7}  {lv['prefill_tokens_computed']:>13,} "
                      f"{sm['prefill_tokens_computed']:>7,}")
+    for p, r in cmp["policies"].items():
+        if "live_rounds" in r:
+            lines.append(f"{p}: live mean TTFT ms by round: "
+                         + ", ".join(ms(x["mean_ttft_s"]) for x in r["live_rounds"]))
     o = cmp["order_by_mean_ttft"]
     lines.append(f"by mean TTFT, live: {' < '.join(o['live'])}")
     lines.append(f"by mean TTFT, sim:  {' < '.join(o['sim'])}")
@@ -350,22 +372,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed, cores or None, threads)
     env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads,
                       args.log_level)
-    live: dict[str, dict[str, Any]] = {}
-    if args.cluster == "shared":
-        with shared_cluster(env, work, args.policy, args.prefill, args.decode) as urls:
-            for i, p in enumerate(args.policy):  # a seed each: no policy finds another's prefixes cached
-                live[p] = replay_live(urls[p], s, seed=args.seed + i)
-                log.info("%s: live hit rate %.3f", p, live[p]["cache_hit_rate"])
-    else:
-        for p in args.policy:
-            with all_role_cluster(env, work, p, args.prefill, args.decode) as url:
-                live[p] = replay_live(url, s, seed=args.seed)
-            log.info("%s: live hit rate %.3f", p, live[p]["cache_hit_rate"])
+    rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in args.policy}
+    for r in range(args.rounds):
+        # every other round in reverse order: a machine that slows down or speeds up over the run then
+        # weighs on each policy alike
+        order = args.policy if r % 2 == 0 else args.policy[::-1]
+        logs = work if args.rounds == 1 else work / f"round-{r + 1}"
+        logs.mkdir(parents=True, exist_ok=True)
+        if args.cluster == "shared":
+            with shared_cluster(env, logs, order, args.prefill, args.decode) as urls:
+                for p in order:  # a seed each: no policy finds another's prefixes cached
+                    rounds[p].append(replay_live(urls[p], s, seed=args.seed + args.policy.index(p)))
+        else:
+            for p in order:
+                with all_role_cluster(env, logs, p, args.prefill, args.decode) as url:
+                    rounds[p].append(replay_live(url, s, seed=args.seed))
+        for p in order:
+            log.info("round %d, %s: live hit rate %.3f, mean TTFT %s s", r + 1, p, rounds[p][-1]["cache_hit_rate"],
+                     rounds[p][-1]["mean_ttft_s"])
+    live = {p: mean_of_rounds(rs) for p, rs in rounds.items()}
     cmp = compare(live, sim, args.tie_tolerance)
     cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads, "sim_shared_cores": cores,
                      "max_requests": s.max_requests, "time_scale": s.time_scale,
                      "length_scale": s.length_scale, "prefill": args.prefill, "decode": args.decode,
-                     "cluster": args.cluster, "model": args.model, "block_size": args.block_size,
+                     "cluster": args.cluster, "rounds": args.rounds, "model": args.model, "block_size": args.block_size,
                      "kv_cache_bytes": args.kv_cache_bytes, "profile": str(profile), "wall_s": time.perf_counter() - t0,
                      "logs": str(work)}
     return cmp
@@ -390,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", choices=("all", "shared"), default=None,
                     help="'all': a fresh `mooncaked --role all` per policy (default); 'shared': one set of engines, "
                          "one conductor per policy side by side (default with --quick)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="replay every policy this many times, every other round in reverse order, and compare "
+                         "the mean (the simulation is deterministic: it runs once)")
     ap.add_argument("--prefill", type=int, default=2, help="prefill instances")
     ap.add_argument("--decode", type=int, default=2, help="decode instances")
     ap.add_argument("--model", default="tiny", help="'tiny' (a random checkpoint made here), 'default' or a path")
@@ -414,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cluster = args.cluster or "all"
     if args.skip < 0 or (args.threads is not None and args.threads < 1):
         ap.error("--skip must be >= 0 and --threads >= 1")
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if args.max_requests < 1 or args.prefill < 1 or args.decode < 1 or args.length_scale <= 0 or args.time_scale < 0:
         ap.error("--max-requests, --prefill, --decode and --length-scale must be positive, --time-scale >= 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
