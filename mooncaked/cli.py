@@ -191,9 +191,12 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
+# every role's log lines (tools/route_trace.py reads the conductor's back)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format=LOG_FORMAT)
 
 
 # ---------------------------------------------------------------------------------------------
