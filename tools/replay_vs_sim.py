@@ -290,7 +290,8 @@ def mean_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     for k in FIGURES:
         values = [r.get(k) for r in rounds]
         out[k] = None if None in values else sum(values) / len(values)
-    out["prefill_tokens_computed"] = round(out["prefill_tokens_computed"])
+    if out["prefill_tokens_computed"] is not None:
+        out["prefill_tokens_computed"] = round(out["prefill_tokens_computed"])
     return out
 
 

@@ -253,9 +253,8 @@ class EngineConfig:
     def pack_tokens(self) -> int:
         """Prefill tokens up to which a step takes a second prompt: the one set, else
         ``DEFAULT_PACK_TOKENS`` for the device's kind (none there: the whole step budget)."""
-        if self.prefill_pack_tokens is not None:
-            return min(self.prefill_pack_tokens, self.step_tokens)
-        return min(DEFAULT_PACK_TOKENS.get(torch.device(self.device).type) or self.step_tokens, self.step_tokens)
+        pack = self.prefill_pack_tokens or DEFAULT_PACK_TOKENS.get(torch.device(self.device).type)
+        return min(pack or self.step_tokens, self.step_tokens)
 
 
 # A step's token budget when none is set. A GPU gains from big steps (short prompts batched keep it

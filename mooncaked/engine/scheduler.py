@@ -3,10 +3,12 @@
 Running sequences go first (decodes and the next chunk of a chunked prefill), then
 waiting ones are admitted, in order, while the step's token budget, the sequence cap and the
 free KV blocks allow. A prompt joins a step that already prefills another only if the step's
-prefill tokens stay within ``pack_tokens`` with it (every prompt in a step waits for the whole
-step, so packing pays only where a step's fixed cost is large: on a GPU, not on a CPU). When a running sequence needs a block and none is free, the most
-recently admitted sequence is preempted by recompute: its blocks are released (full
-ones stay in the prefix cache) and it goes back to the front of the queue.
+prefill tokens stay within ``pack_tokens`` with it: every prompt in a step waits for the whole
+step, so packing pays only where a step's fixed cost is large (on a GPU, not on a CPU).
+
+When a running sequence needs a block and none is free, the most recently admitted sequence
+is preempted by recompute: its blocks are released (full ones stay in the prefix cache) and it
+goes back to the front of the queue.
 """
 
 from __future__ import annotations
