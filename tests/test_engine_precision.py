@@ -8,6 +8,7 @@ import argparse
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.config import add_config_args, load_config
@@ -22,6 +23,7 @@ from tiny_models import random_prompts
 CPU = torch.device("cpu")
 # None where this CPU runs oneDNN's bf16 GEMM, else why not (the tests of the bf16 path skip with it)
 NO_BF16_HERE = unsupported_reason("bf16", CPU, cpu_flags())
+NO_FP16_HERE = None if fp16_gemm(cpu_flags()) else "fbgemm's fp16 GEMM needs an x86 CPU with AVX2, FMA and F16C"
 # /proc/cpuinfo flags of real machines (abridged)
 ZEN4 = "fpu vme avx2 avx512f avx512dq avx512bw avx512vl avx512_bf16 avx512_vnni"
 SAPPHIRE_RAPIDS = "fpu avx2 avx512f avx512bw avx512_vnni amx_bf16 amx_tile amx_int8"
@@ -143,6 +145,39 @@ def test_candidate_head_is_fp32_where_it_counts(cheap):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     with pytest.raises(ValueError, match="bias"):
         CandidateHead(nn.Linear(4, 8))
+
+
+@pytest.mark.skipif(NO_FP16_HERE is not None, reason=str(NO_FP16_HERE))
+def test_fp16_prefill_runs_an_fp32_gemm_over_the_same_fp16_weights():
+    """Prefill-sized calls (more rows than SMALL_M) take the fp32 GEMM, decode-sized ones fbgemm's fp16
+    kernel, and both multiply by the fp16-rounded weights: a prompt's tokens must not depend on its chunks."""
+    torch.manual_seed(73)
+    linear = nn.Linear(96, 200)
+    kept, packed_only = Fp16Linear(linear, dense=True), Fp16Linear(linear)
+    grid = linear.weight.detach().half().float()
+    many, few = torch.randn(100, 96), torch.randn(8, 96)
+    with torch.no_grad():
+        assert torch.equal(kept(many), F.linear(many, grid, linear.bias))  # the fp32 GEMM ran
+        assert torch.equal(kept(few), packed_only(few))  # fbgemm ran
+        # the same weights either way: only the summation order differs
+        torch.testing.assert_close(kept(many), packed_only(many), rtol=1e-5, atol=1e-5)
+        assert (kept(many) - linear(many)).abs().max() > 1e-5  # and they are the fp16 grid, not fp32's
+    assert kept.dense.dtype == torch.float32 and packed_only.dense is None
+
+
+@pytest.mark.skipif(NO_FP16_HERE is not None, reason=str(NO_FP16_HERE))
+def test_fp16_engine_gives_a_cached_prompt_the_tokens_of_its_cold_run(tiny_model_factory):
+    """Cold, the prompt is one prefill of 100 rows (fp32 GEMM); warm, only the rows past its cached
+    blocks (fbgemm): the same tokens."""
+    _, folder = tiny_model_factory("llama")
+    engine = Engine.from_pretrained(folder, dtype="float32", quantize="fp16", block_size=16, kv_cache_bytes=4 << 20)
+    assert any(isinstance(m, Fp16Linear) and m.dense is not None for m in engine.runner.model.modules())
+    prompt = random_prompts([100], seed=74)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cold = engine.generate(prompt, params)[0]
+    warm = engine.generate(prompt, params)[0]
+    assert warm.num_cached_tokens >= 96
+    assert warm.token_ids == cold.token_ids
 
 
 def test_dtype_and_quantize_settings():

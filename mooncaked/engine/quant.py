@@ -30,8 +30,9 @@ QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4", "fp16")
 INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
-SMALL_M = {"int8": 64, "int4": 64}
-# share of the free memory the fp32 weights may keep using so that prefill runs an fp32 GEMM
+SMALL_M = {"int8": 64, "int4": 64, "fp16": 64}
+# share of the free memory the fp32 weights may keep using so that prefill runs an fp32 GEMM (int8, int4,
+# and fp16, whose prefill multiplies the fp16 grid widened to fp32)
 DENSE_SHARE = 0.25
 
 
@@ -121,35 +122,46 @@ class Fp16Linear(nn.Module):
 
     fbgemm's fp16 GEMM (``quantized::linear_dynamic_fp16``) widens the weights to fp32 in registers
     (F16C), so it reads half of fp32's bytes and rounds nothing but the weights, to 2^-11 relative
-    (8x finer than bf16); it needs AVX2, not native bf16."""
+    (8x finer than bf16); it needs AVX2, not native bf16. It wins where a step reads weights (decode,
+    a few rows); for many rows (prefill) an fp32 GEMM is 1.3x faster on AVX2, so ``dense`` keeps the
+    same fp16-rounded weights widened to fp32 for calls of more than ``SMALL_M["fp16"]`` rows: both
+    paths multiply by the very same weight values, so a prompt's tokens do not depend on which ran."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, dense: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.small_m = SMALL_M["fp16"]
         bias = None if linear.bias is None else linear.bias.detach().float()
+        grid = linear.weight.detach().to(torch.float16).float()  # what fbgemm multiplies by
         try:
-            self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+            self.packed = torch.ops.quantized.linear_prepack_fp16(grid, bias)
         except RuntimeError as e:  # fbgemm missing (not x86) or the CPU lacks AVX2
             raise ConfigError(f"fp16 weights need torch's fbgemm on an AVX2 CPU: {e}") from e
+        self.dense = grid if dense else None
+        self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features).float()
-        y = torch.ops.quantized.linear_dynamic_fp16(x2, self.packed)
+        if self.dense is not None and x2.shape[0] > self.small_m:
+            y = F.linear(x2, self.dense, self.bias)
+        else:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2, self.packed)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True, dense: bool | None = None) -> int:
     """Replace every ``nn.Linear`` of ``model`` (in place) whose input size fits ``mode``; returns
     how many. The embedding stays as it is: a tied lm_head gets its own quantized copy. ``dense``
-    (QuantLinear): keep the fp32 weights for prefill; None: where they fit in DENSE_SHARE of free memory."""
+    (QuantLinear, Fp16Linear): keep fp32 weights for prefill; None: where they fit in DENSE_SHARE of free memory."""
     if mode == "none":
         return 0
     if mode == "bf16":
         return _bf16_weights(model)
-    if mode == "fp16":
-        return _replace_linears(model, Fp16Linear)
     if dense is None:
         dense = _dense_fits(model)
+    if mode == "fp16":
+        # the head scores a few rows a step (its best candidates rescored in fp32): no dense copy
+        return _replace_linears(model, lambda lin: Fp16Linear(lin, dense), lambda head: Fp16Linear(head))
     count = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -190,14 +202,15 @@ def _bf16_weights(model: nn.Module) -> int:
 
 def _replace_linears(model: nn.Module, layer, cheap_head=True) -> int:
     """Every ``nn.Linear`` becomes ``layer(linear)``; the head a CandidateHead over ``layer(head)``
-    (``cheap_head`` None: CandidateHead's own bf16 scorer)."""
+    (``cheap_head`` None: CandidateHead's own bf16 scorer; a callable: ``cheap_head(head)``)."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             if name == "lm_head":
-                child = CandidateHead(child, cheap=layer(child) if cheap_head else None)
+                cheap = cheap_head(child) if callable(cheap_head) else layer(child) if cheap_head else None
+                child = CandidateHead(child, cheap=cheap)
             else:
                 child = layer(child)
             setattr(module, name, child)
