@@ -52,13 +52,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # type: ignore[misc]
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k rotated in one go: half the ops of a decode step's rotary
+            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        else:
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))  # type: ignore[misc]
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = kv
         self.backend.store_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta)

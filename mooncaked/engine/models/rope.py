@@ -29,22 +29,28 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Holds a cos/sin table for every position up to ``max_positions``; applied in the HF half-split layout."""
+    """Holds a cos/sin table for every position up to ``max_positions``; applied in the HF half-split layout.
+
+    The table is stored full width, the sine signed (``[-sin, sin]``), so that a rotation is four ops
+    (``x * cos + roll(x) * sin``) instead of eight: on CPU a decode step is bound by per-op overhead,
+    and the results are bit for bit the half-split formula's (``a - b`` is ``a + (-b)`` in IEEE)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = inverse_frequencies(rope, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for a step's positions, ``[T, 1, D/2]``: looked up once, used by every layer."""
+        """Full-width cos and signed sin rows for a step's positions, ``[T, 1, D]``: looked up once, used
+        by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ([T, H, D]) by the looked-up angles, in the HF half-split layout."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` ([T, H, D]) by the looked-up angles, in the HF half-split layout:
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)``, with ``roll`` swapping the halves and ``sin`` signed."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
