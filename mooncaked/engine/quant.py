@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,7 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True, de
         dense = _dense_fits(model)
     if mode == "fp16":
         # the head scores a few rows a step (its best candidates rescored in fp32): no dense copy
-        return _replace_linears(model, lambda lin: Fp16Linear(lin, dense), lambda head: Fp16Linear(head))
+        return _replace_linears(model, lambda lin: Fp16Linear(lin, dense), Fp16Linear)
     count = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -205,17 +206,17 @@ def _bf16_weights(model: nn.Module) -> int:
     return _replace_linears(model, Bf16Linear, None)
 
 
-def _replace_linears(model: nn.Module, layer, cheap_head=True) -> int:
-    """Every ``nn.Linear`` becomes ``layer(linear)``; the head a CandidateHead over ``layer(head)``
-    (``cheap_head`` None: CandidateHead's own bf16 scorer; a callable: ``cheap_head(head)``)."""
+def _replace_linears(model: nn.Module, layer: Callable[[nn.Linear], nn.Module],
+                     cheap_head: Callable[[nn.Linear], nn.Module] | None) -> int:
+    """Every ``nn.Linear`` becomes ``layer(linear)``; the head a CandidateHead scoring with
+    ``cheap_head(head)`` (None: CandidateHead's own bf16 scorer)."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             if name == "lm_head":
-                cheap = cheap_head(child) if callable(cheap_head) else layer(child) if cheap_head else None
-                child = CandidateHead(child, cheap=cheap)
+                child = CandidateHead(child, cheap=None if cheap_head is None else cheap_head(child))
             else:
                 child = layer(child)
             setattr(module, name, child)

@@ -53,15 +53,14 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:  # q and k rotated in one go: half the ops of a decode step's rotary
-            qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        if self.q_norm is None:  # q and k rotated in one call: half the ops of a decode step's rotary
+            qk = apply_rotary(qk, *rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        else:
-            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))  # type: ignore[misc]
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        else:  # Qwen3 normalises q and k per head before rotating them
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = apply_rotary(self.q_norm(q), *rope), apply_rotary(self.k_norm(k), *rope)  # type: ignore[misc]
         k_cache, v_cache = kv
         self.backend.store_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
