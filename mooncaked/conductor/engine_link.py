@@ -143,6 +143,9 @@ class PrefillPlan:
     pull_address: str = ""
     replicate: bool = False
     pool_fallback: bool = False
+    # elastic CPP: idle prefill instances (Engine addresses) lent to this prompt, each computing the next even
+    # share of the layers after this instance's, in order (instance/pipeline.py); empty: it prefills alone
+    helpers: list[str] = field(default_factory=list)
 
     @property
     def pulls_from_peer(self) -> bool:
@@ -208,6 +211,13 @@ class StageOpen:
     sampling: SamplingParams
     target: Reservation
     downstream: list[str] = field(default_factory=list)
+    # elastic CPP: a whole-model instance lent to this one prompt is stage ``index`` of ``count`` for it (None:
+    # the callee is a static group's stage, its place fixed at start-up); it reads its layers of the lead's
+    # cached run (``lead_cached``: block ids the lead holds until the request ends) out of ``lead_endpoint``'s
+    # KV region, and writes its layers of the new tokens into the lead's blocks there
+    elastic: tuple[int, int] | None = None
+    lead_cached: list[int] = field(default_factory=list)
+    lead_endpoint: TransferEndpoint | None = None
 
 
 @dataclass
@@ -278,9 +288,11 @@ class EngineLink(abc.ABC):
         """A CPP stage: take this prompt's layers after the caller's (EXHAUSTED: no hidden-state slot free)."""
 
     @abc.abstractmethod
-    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float,
+                          lead_block_ids: list[int] | None = None) -> None:
         """A CPP stage: the caller's hidden states of tokens [start_tokens, ready_tokens) are in the inbox
-        (``start_tokens``: where the group starts computing, after the blocks every stage holds)."""
+        (``start_tokens``: where the group starts computing, after the blocks every stage holds).
+        ``lead_block_ids`` (elastic CPP, first call): the lead's blocks of the prompt, filled by every stage."""
 
     @abc.abstractmethod
     async def stage_finish(self, request_id: str, timeout_s: float) -> PrefillResult:

@@ -74,11 +74,13 @@ def endpoint_to_proto(t: TransferEndpoint) -> common_pb2.TransferEndpoint:
 
 def plan_to_proto(p: PrefillPlan) -> engine_pb2.PrefillPlan:
     return engine_pb2.PrefillPlan(reuse_blocks=p.reuse_blocks, pull_from=p.pull_from, pull_blocks=p.pull_blocks,
-                                  pull_address=p.pull_address, replicate=p.replicate, pool_fallback=p.pool_fallback)
+                                  pull_address=p.pull_address, replicate=p.replicate, pool_fallback=p.pool_fallback,
+                                  helpers=p.helpers)
 
 
 def plan_from_proto(p: engine_pb2.PrefillPlan) -> PrefillPlan:
-    return PrefillPlan(p.reuse_blocks, p.pull_from, p.pull_blocks, p.pull_address, p.replicate, p.pool_fallback)
+    return PrefillPlan(p.reuse_blocks, p.pull_from, p.pull_blocks, p.pull_address, p.replicate, p.pool_fallback,
+                       list(p.helpers))
 
 
 def result_to_proto(r: PrefillResult) -> engine_pb2.PrefillReply:
@@ -151,16 +153,23 @@ class GrpcEngineLink(EngineLink):
             sampling=sampling_to_proto(opening.sampling), decode_endpoint=endpoint_to_proto(t.endpoint),
             decode_block_ids=t.block_ids, decode_layout=layout_to_proto(t.layout), decode_address=t.engine_address,
             decode_ttl_s=t.ttl_s, downstream=opening.downstream)
+        if opening.elastic is not None:
+            request.stage_index, request.stage_count = opening.elastic
+            request.lead_cached_block_ids.extend(opening.lead_cached)
+            if opening.lead_endpoint is not None:
+                request.lead_endpoint.CopyFrom(endpoint_to_proto(opening.lead_endpoint))
         try:
             r = await self.stub.StageOpen(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise engine_error(e) from None
         return StageOpened(r.cached_blocks, endpoint_from_proto(r.inbox), r.inbox_offset, r.row_bytes)
 
-    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float,
+                          lead_block_ids: list[int] | None = None) -> None:
         try:
             await self.stub.StageInput(engine_pb2.StageInputRequest(
-                request_id=request_id, start_tokens=start_tokens, ready_tokens=ready_tokens), timeout=timeout_s)
+                request_id=request_id, start_tokens=start_tokens, ready_tokens=ready_tokens,
+                lead_block_ids=lead_block_ids or []), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise engine_error(e) from None
 

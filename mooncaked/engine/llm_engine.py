@@ -212,7 +212,8 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     sink: Sink | None = None, imported_blocks: list[int] | None = None,
-                    hold_blocks: bool = False, stage_input: int | None = None, keep_imported: bool = True) -> str:
+                    hold_blocks: bool = False, stage_input: int | None = None, keep_imported: bool = True,
+                    layers: tuple[int, int] | None = None) -> str:
         """Queue a request; thread-safe.
 
         ``imported_blocks``: KV blocks the caller already filled with this prompt's first
@@ -226,6 +227,12 @@ class Engine:
         On a pipeline stage the request starts exactly after ``imported_blocks`` (its group agreed
         on that prefix); ``stage_input``: the tokens whose input hidden states have arrived (a stage
         that is not the first; ``set_stage_input`` moves it on).
+
+        ``layers`` (elastic CPP, a whole-model engine lent a share of one prompt): compute only layers
+        [first, end) of it, from the token ids when first is 0 and else from ``stage_input``'s hidden
+        states, sampling only when end is the last layer. Like a stage's, it starts exactly after
+        ``imported_blocks``; its new blocks hold only these layers, so none is published (a lead
+        publishes them with ``publish_held`` once the other stages filled the rest).
         """
         params = params or SamplingParams()
         params.validate()
@@ -234,13 +241,42 @@ class Engine:
         if imported and len(imported) * self.config.block_size >= len(ids):
             raise RequestError("imported blocks must leave at least one prompt token to compute")
         staged = self.stage.count > 1
-        if staged and (stage_input is None) != self.stage.is_first:
+        unkept = 0 if keep_imported else len(imported)
+        if layers is not None:
+            layers = self._check_layers(layers, stage_input)
+            staged, unkept = True, -(-len(ids) // self.config.block_size)
+        elif staged and (stage_input is None) != self.stage.is_first:
             raise RequestError(f"stage {self.stage}: stage_input is required exactly on stages after the first")
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, imported_blocks=imported,
                        imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks,
-                       exact_prefix=staged, input_ready=stage_input,
-                       unkept_blocks=0 if keep_imported else len(imported))
+                       exact_prefix=staged, input_ready=stage_input, unkept_blocks=unkept, layers=layers)
         return self._enqueue(seq, sink)
+
+    def _check_layers(self, layers: tuple[int, int], stage_input: int | None) -> tuple[int, int]:
+        first, end = (int(v) for v in layers)
+        n = self.model_config.num_layers
+        if self.stage.count > 1:
+            raise RequestError(f"stage {self.stage} holds part of the model; a layer range needs a whole-model engine")
+        if not 0 <= first < end <= n or (first, end) == (0, n):
+            raise RequestError(f"layer range {first}-{end} must be a part of the model's {n} layers")
+        if (stage_input is None) != (first == 0):
+            raise RequestError("stage_input is required exactly on a layer range that does not start at layer 0")
+        return first, end
+
+    def publish_held(self, request_id: str) -> int:
+        """Publish the full blocks of a finished ``hold_blocks`` request that computed part of the layers
+        (an elastic lead), once the other stages wrote the rest into them; engine thread (``call``). The
+        number of blocks the prefix cache now has from it."""
+        with self._step_lock:
+            seq = self._held.get(request_id)
+            if seq is None or not seq.block_table:
+                return 0
+            bs = self.config.block_size
+            tokens = seq.all_token_ids
+            for j, chain in enumerate(seq.block_hashes[: len(seq.block_table)]):
+                self.block_manager.commit_full_block(seq.block_table[j], chain, tuple(tokens[j * bs:(j + 1) * bs]))
+            seq.unkept_blocks = 0
+            return len(seq.block_hashes)
 
     def set_stage_input(self, request_id: str, ready_tokens: int) -> bool:
         """The previous stage's hidden states of the request's first ``ready_tokens`` tokens have
@@ -387,7 +423,7 @@ class Engine:
         try:
             hidden_in = self._stage_inputs(plan.scheduled)
             result = self.runner.run(plan.scheduled, hook, hidden_in=hidden_in)
-            if self.hidden_sink is not None and not self.stage.is_last:
+            if self.hidden_sink is not None and not self.runner.samples(plan.scheduled[0].seq.layers):
                 for s in plan.scheduled:
                     self.hidden_sink(s.seq.request_id, s.seq.num_computed_tokens, result.hidden_out[s.seq.request_id])
         except Exception as e:
@@ -409,7 +445,7 @@ class Engine:
         return outputs
 
     def _stage_inputs(self, scheduled: list[ScheduledSeq]) -> dict[str, torch.Tensor] | None:
-        if self.stage.is_first:
+        if self.runner.takes_tokens(scheduled[0].seq.layers):
             return None
         if self.hidden_source is None:
             raise RuntimeError(f"stage {self.stage} has no source of input hidden states")
@@ -456,7 +492,7 @@ class Engine:
         seq.num_computed_tokens += s.num_new_tokens
         self.scheduler.commit_full_blocks(seq)
         if token is None:
-            if not self.stage.is_last and seq.num_computed_tokens >= len(seq.prompt_token_ids):
+            if not self.runner.samples(seq.layers) and seq.num_computed_tokens >= len(seq.prompt_token_ids):
                 self._finish_stage(self._requests[seq.request_id], outputs)
             return
         req = self._requests[seq.request_id]

@@ -87,15 +87,18 @@ class ModelRunner:
         # decodes first, so backends see two contiguous slices
         batch = sorted(batch, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, slots, meta = self._prepare(batch)
+        layers = batch[0].seq.layers  # the scheduler steps one layer range at a time
+        if any(s.seq.layers != layers for s in batch):
+            raise ValueError("one step runs sequences of one layer range")
         x_in = None
-        if not self.stage.is_first:
+        if not self.takes_tokens(layers):
             rows = hidden_in or {}
             missing = [s.seq.request_id for s in batch if s.seq.request_id not in rows]
             if missing:
                 raise ValueError(f"stage {self.stage}: no input hidden states for {missing}")
             x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
-        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in)
-        if not self.stage.is_last:
+        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
+        if not self.samples(layers):
             bounds = meta.cu_seqlens_q.tolist()
             out = {s.seq.request_id: hidden[bounds[k]:bounds[k + 1]] for k, s in enumerate(batch)}
             return StepResult({}, {}, time.perf_counter() - t0, int(input_ids.shape[0]), {}, {}, hidden_out=out)
@@ -133,6 +136,14 @@ class ModelRunner:
             for k, s in enumerate(batch):
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
         return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors)
+
+    def takes_tokens(self, layers: tuple[int, int] | None) -> bool:
+        """Whether a step over ``layers`` starts from token ids (else from the previous stage's hidden states)."""
+        return self.stage.is_first and (layers is None or layers[0] == 0)
+
+    def samples(self, layers: tuple[int, int] | None) -> bool:
+        """Whether a step over ``layers`` ends in the head (else it hands hidden states on)."""
+        return self.stage.is_last and (layers is None or layers[1] == self.stage.num_stage_layers)
 
     @staticmethod
     def _generator_for(s: ScheduledSeq) -> torch.Generator | None:

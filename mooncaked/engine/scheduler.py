@@ -116,7 +116,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.input_left, budget)
-            if n <= 0:  # a pipeline stage waiting for its previous stage's next chunk
+            if n <= 0 or not self._same_layers(seq, out):  # a stage waiting for its input; another layer range
                 i += 1
                 continue
             need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
@@ -139,7 +139,7 @@ class Scheduler:
             if seq.input_ready is not None and seq.input_ready <= seq.imported_tokens:
                 deferred.append(self.waiting.popleft())  # a pipeline stage whose first chunk has not arrived
                 continue
-            if self._prefix_in_flight(seq):
+            if self._prefix_in_flight(seq) or not self._same_layers(seq, out):
                 deferred.append(self.waiting.popleft())  # keeps its place; the ones behind it may go
                 continue
             room = budget if prefill == 0 else min(budget, self.pack_tokens - prefill)
@@ -149,6 +149,11 @@ class Scheduler:
             prefill += out.scheduled[-1].prefill_tokens
         self.waiting.extendleft(reversed(deferred))
         return out
+
+    @staticmethod
+    def _same_layers(seq: Sequence, out: SchedulerOutput) -> bool:
+        """One step runs one layer range (elastic CPP shares of prompts run apart from whole-model work)."""
+        return not out.scheduled or out.scheduled[0].seq.layers == seq.layers
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Whether a running prefill is computing blocks of ``seq``'s prompt that are not cached yet.
@@ -190,7 +195,10 @@ class Scheduler:
             seq.block_hashes = hashes
             seq.num_computed_tokens = len(matched) * bs
         n = min(seq.input_left, budget)
-        need = self.bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        # an elastic share of a prompt holds all its blocks from the start: the lead names them to the
+        # other stages with its first chunk, and they write their layers of the prompt into them
+        upto = len(seq.prompt_token_ids) if seq.layers is not None else seq.num_computed_tokens + n
+        need = self.bm.blocks_needed(upto) - len(seq.block_table)
         fresh = self.bm.allocate(need) if need > 0 and n <= room else []
         if fresh is None or n > room:
             # no room, in blocks or in the step: give the prefix blocks back and wait (they stay cached)

@@ -49,6 +49,10 @@ class Sequence:
     # input hidden states have arrived (``input_ready``; None: its input is the token ids)
     exact_prefix: bool = False
     input_ready: int | None = None
+    # elastic CPP on a whole-model engine: only layers [first, end) of this prompt run here (None: all the
+    # engine holds). Its blocks hold those layers only, so none is published by the step that computes it
+    # (``unkept_blocks`` covers them); a lead publishes them once the other layers landed (``publish_held``)
+    layers: tuple[int, int] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -62,9 +62,12 @@ class KVPush:
     fenced: bool = False  # a write was refused by the fence: the push failed
     fenced_late: bool = False  # ... because the fence lapsed (WriteFence.lapsed): this side renewed too late
     layer_offset: int = 0  # a pipeline stage: its first layer's index in the model (and the decode's pool)
+    # elastic CPP on a whole-model engine: only these layers [first, end) are this push's (None: all held)
+    layers: tuple[int, int] | None = None
+    start_tokens: int = 0  # tokens the target holds already (a lead's own cached run): never written again
 
     def __post_init__(self) -> None:
-        self.pushed = [0] * self.local.num_layers
+        self.pushed = [self.start_tokens] * self.local.num_layers
 
     def on_layer(self, layer: int, step: StepSeq) -> None:
         """Engine thread: the layer now holds KV for tokens up to step.start + step.num_tokens."""
@@ -137,4 +140,5 @@ class KVPush:
 
     @property
     def complete(self) -> bool:
-        return all(p >= self.num_tokens for p in self.pushed)
+        first, end = self.layers or (0, self.local.num_layers)
+        return all(p >= self.num_tokens for p in self.pushed[first:end])

@@ -51,8 +51,10 @@ class LocalEngineLink(EngineLink):
     async def stage_open(self, opening: StageOpen, timeout_s: float) -> StageOpened:
         return await _within(self.worker.stage_open(opening), timeout_s, "stage_open")
 
-    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float) -> None:
-        await _within(self.worker.stage_input(request_id, start_tokens, ready_tokens), timeout_s, "stage_input")
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int, timeout_s: float,
+                          lead_block_ids: list[int] | None = None) -> None:
+        await _within(self.worker.stage_input(request_id, start_tokens, ready_tokens, lead_block_ids), timeout_s,
+                      "stage_input")
 
     async def stage_finish(self, request_id: str, timeout_s: float) -> PrefillResult:
         return await _within(self.worker.stage_finish(request_id), timeout_s, "stage_finish")

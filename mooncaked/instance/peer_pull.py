@@ -28,8 +28,9 @@ RELEASE_TIMEOUT_S = 2.0
 
 
 def read_ops(local: KVLayout, remote: KVLayout, peer: str, remote_blocks: list[int],
-             local_blocks: list[int]) -> list[TransferOp]:
-    """Ops that copy whole blocks (every layer, K and V) from the peer's blocks into ours."""
+             local_blocks: list[int], layers: tuple[int, int] | None = None) -> list[TransferOp]:
+    """Ops that copy whole blocks (every layer, or ``layers`` [first, end), K and V) from the peer's
+    blocks into ours."""
     runs: list[tuple[int, int, int]] = []  # (remote first, local first, blocks)
     for r, lo in zip(remote_blocks, local_blocks, strict=True):
         if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == lo:
@@ -37,7 +38,7 @@ def read_ops(local: KVLayout, remote: KVLayout, peer: str, remote_blocks: list[i
         else:
             runs.append((r, lo, 1))
     ops = []
-    for layer in range(local.num_layers):
+    for layer in range(*(layers or (0, local.num_layers))):
         for kv in (0, 1):
             for r, lo, n in runs:
                 ops.append(TransferOp("read", KV_REGION, local.offset(layer, kv, lo), peer, KV_REGION,

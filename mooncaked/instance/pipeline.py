@@ -14,6 +14,16 @@ the first token; ``stage_finish`` brings it back up the chain once every stage's
 Failures end the request on every stage: a stage whose next one fails (a refused write, a dead
 process) fails its request at once; one whose input stops coming for ``INPUT_IDLE_S`` gives up;
 the head's answer is UNAVAILABLE, so the conductor retries elsewhere.
+
+Elastic groups (a whole-model prefill instance): the conductor's plan lends idle instances to one
+prompt (``PrefillPlan.helpers``). The instance it is routed to leads: it is stage 0 of that request's
+even layer split, each helper the next stage (``StageOpen.elastic``), and the engine runs only the
+request's layers (``Engine.add_request(layers=)``). A helper first pulls the lead's cached run of the
+prompt (a peer pull, as a plan's), so the group starts where the lead's cache ends. The lead holds
+all the prompt's blocks from its first chunk and names them with its first input; every helper
+writes its layers of the new tokens into them as it computes (``copy``, beside its push to the
+decode), so once the chain finished, the lead publishes the prompt's blocks whole to its prefix
+cache and the pool. A helper's own blocks hold a share of the layers: it publishes none.
 """
 
 from __future__ import annotations
@@ -32,8 +42,11 @@ from mooncaked.conductor.engine_link import (CANCELLED, DEADLINE, EXHAUSTED, INV
                                              StageOpen, StageOpened, TransferEndpoint)
 from mooncaked.engine import Output, RequestError, SamplingParams
 from mooncaked.engine.llm_engine import EngineStoppedError
+from mooncaked.engine.stage import PipelineStage
+from mooncaked.hashing import block_hashes
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
+from mooncaked.instance.peer_pull import read_ops
 from mooncaked.instance.prefill import first_token_result
 from mooncaked.instance.write_fence import WriteFence
 from mooncaked.tasks import spawn
@@ -67,6 +80,7 @@ class StageJob:
     push: KVPush
     fence: WriteFence
     slot: int
+    stage: PipelineStage  # this stage's place for this request (a static group's, or an elastic split's)
     local: list[int]  # own cached run (or the pool's longer one), held until the group's start is agreed
     from_pool: int = 0  # of ``local``, blocks read from the pool (not written back again)
     kept: int = 0  # leading blocks the group started after
@@ -85,6 +99,17 @@ class StageJob:
     completed: bool = False  # this stage and every later one answered
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # set as ``_end`` starts
     closed: asyncio.Event = field(default_factory=asyncio.Event)  # set once ``_end`` gave everything back
+    # elastic CPP: this request's layers on a whole-model engine (None: a static group's stage)
+    layers: tuple[int, int] | None = None
+    lead_cached: list[int] = field(default_factory=list)  # the lead's cached run (block ids there)
+    lead_endpoint: TransferEndpoint | None = None  # a helper: the lead's KV region, where ``copy`` writes
+    lead_blocks: list[int] = field(default_factory=list)  # the lead's blocks of the prompt (named with input)
+    lead_named: bool = False  # the next stage was told ``lead_blocks``
+    copy: KVPush | None = None  # a helper: its layers of the new tokens into the lead's blocks
+
+    @property
+    def elastic(self) -> bool:
+        return self.layers is not None
 
 
 class Pipeline:
@@ -94,6 +119,8 @@ class Pipeline:
         self.worker = worker
         self.engine = worker.engine
         self.stage = worker.engine.stage
+        # a whole-model engine joins elastic groups: any stage of a request, per request
+        self.elastic = self.stage.count == 1
         cfg = self.engine.model_config
         self.row_bytes = cfg.hidden_size * self.engine.dtype.itemsize
         self.slot_rows = min(self.engine.max_model_len, MAX_SLOT_BYTES // self.row_bytes)
@@ -101,12 +128,11 @@ class Pipeline:
         self.free_slots = list(range(slots))
         self.slots_free = asyncio.Semaphore(slots)
         self.jobs: dict[str, StageJob] = {}
-        self.inbox = self._region(INBOX_REGION, slots) if not self.stage.is_first else None
-        self.outbox = self._region(OUTBOX_REGION, slots) if not self.stage.is_last else None
+        self.inbox = self._region(INBOX_REGION, slots) if self.elastic or not self.stage.is_first else None
+        self.outbox = self._region(OUTBOX_REGION, slots) if self.elastic or not self.stage.is_last else None
         self.engine.hidden_source = self._hidden_in
         self.engine.hidden_sink = self._hidden_out
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.labels = (f"{self.stage.index}/{self.stage.count}",)
 
     def _region(self, name: str, slots: int) -> torch.Tensor:
         raw = self.worker.transfer.alloc_region(name, slots * self.slot_bytes)
@@ -131,8 +157,17 @@ class Pipeline:
     # -- the calls ----------------------------------------------------------------------------
     async def head(self, rid: str, prompt: list[int], params: SamplingParams, target: Reservation,
                    stages: list[str]) -> PrefillResult:
-        """The first stage's prefill: open the group, compute, and answer with the last stage's token."""
-        if not self.stage.is_first or len(stages) != self.stage.count - 1:
+        """The first stage's prefill: open the group, compute, and answer with the last stage's token.
+        On a whole-model engine, ``stages`` are the helpers the conductor lent to this prompt."""
+        if self.elastic:
+            if not stages:
+                raise EngineError(INVALID, "an elastic prefill names at least one helper")
+            if len(stages) + 1 > self.stage.num_layers:
+                raise EngineError(INVALID, f"{len(stages) + 1} stages over {self.stage.num_layers} layers: at most "
+                                           "one stage a layer")
+            if len(set(stages)) != len(stages):  # (one naming the lead itself is refused by its StageOpen)
+                raise EngineError(INVALID, "an elastic prefill's helpers must be distinct instances")
+        elif not self.stage.is_first or len(stages) != self.stage.count - 1:
             raise EngineError(PRECONDITION, f"{self.worker.name} is stage {self.stage}; a prefill through it needs "
                                             f"the addresses of its {self.stage.count - 1} later stages, got "
                                             f"{len(stages)}")
@@ -141,7 +176,10 @@ class Pipeline:
         except asyncio.TimeoutError:
             raise EngineError(DEADLINE, f"{self.worker.name}: no pipeline slot freed in {STAGE_TIMEOUT_S:.0f}s") from None
         try:
-            job = await self._open(StageOpen(rid, prompt, params, target, list(stages)))
+            opening = StageOpen(rid, prompt, params, target, list(stages))
+            if self.elastic:
+                opening.elastic = (0, len(stages) + 1)
+            job = await self._open(opening)
             try:
                 cached = job.next_opened.cached_blocks if job.next_opened is not None else len(job.local)
                 await self._start(job, min(len(job.local), cached) * self.worker.layout.block_size)
@@ -153,11 +191,12 @@ class Pipeline:
 
     async def open(self, opening: StageOpen) -> StageOpened:
         """A later stage: take the prompt, open the stages after this one, answer the shortest run."""
-        if self.stage.is_first:
+        stage = self._stage_of(opening)
+        if stage.is_first:
             raise EngineError(PRECONDITION, f"{self.worker.name} is the first stage of its group; StageOpen goes "
                                             "to a later stage")
-        if len(opening.downstream) != self.stage.count - 1 - self.stage.index:
-            raise EngineError(INVALID, f"stage {self.stage} has {self.stage.count - 1 - self.stage.index} stages "
+        if len(opening.downstream) != stage.count - 1 - stage.index:
+            raise EngineError(INVALID, f"stage {stage} has {stage.count - 1 - stage.index} stages "
                                        f"after it; the call names {len(opening.downstream)}")
         job = await self._open(opening)
         cached = len(job.local)
@@ -167,10 +206,33 @@ class Pipeline:
         spawn(self._watch(job), f"stage-watch-{opening.request_id}")
         return StageOpened(cached, self._endpoint(), job.slot * self.slot_bytes, self.row_bytes)
 
-    async def input(self, rid: str, start: int, ready: int) -> None:
+    def _stage_of(self, opening: StageOpen) -> PipelineStage:
+        """This engine's place for the request: its static stage, or the elastic split the opening names."""
+        if opening.elastic is None:
+            if self.elastic:
+                raise EngineError(PRECONDITION, f"{self.worker.name} holds the whole model; it joins a pipeline "
+                                                "only as an elastic helper (StageOpen with its stage)")
+            return self.stage
+        if not self.elastic:
+            raise EngineError(PRECONDITION, f"{self.worker.name} is stage {self.stage} of a static group; it takes "
+                                            "no elastic share")
+        index, count = opening.elastic
+        if not 0 <= index < count <= self.stage.num_layers:
+            raise EngineError(INVALID, f"elastic stage {index}/{count} is not a stage of at most "
+                                       f"{self.stage.num_layers} (one a layer)")
+        if index > 0 and opening.lead_endpoint is None:
+            raise EngineError(INVALID, "an elastic helper needs the lead's KV endpoint")
+        if len(opening.lead_cached) > (len(opening.prompt_token_ids) - 1) // self.worker.layout.block_size:
+            raise EngineError(INVALID, f"{len(opening.lead_cached)} cached lead blocks leave no prompt token to "
+                                       "compute")
+        return PipelineStage.of(index, count, self.stage.num_layers)
+
+    async def input(self, rid: str, start: int, ready: int, lead_blocks: list[int] | None = None) -> None:
         job = self.jobs.get(rid)
         if job is None:
             raise EngineError(NOT_FOUND, f"stage {self.stage} of {self.worker.name} has no request {rid!r}")
+        if job.elastic and not job.lead_blocks:
+            self._name_lead_blocks(job, lead_blocks or [], start)
         bs = self.worker.layout.block_size
         if job.start_tokens is None:
             if start % bs or start // bs > len(job.local) or start >= len(job.prompt):
@@ -212,6 +274,7 @@ class Pipeline:
         w.check("prefill")
         self._loop = asyncio.get_running_loop()
         rid, prompt, target = opening.request_id, list(opening.prompt_token_ids), opening.target
+        stage = self._stage_of(opening)
         why = w.layout.compatible(target.layout, num_layers=self.stage.num_layers)
         if why:
             raise EngineError(PRECONDITION, f"decode KV layout does not match: {why}")
@@ -230,10 +293,13 @@ class Pipeline:
             raise EngineError(EXHAUSTED, f"stage {self.stage} of {w.name}: every hidden-state slot is in use")
         loop = self._loop
         fence = w.fence(rid, target)
+        layers = (stage.first_layer, stage.end_layer) if self.elastic else None
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
-                      len(prompt), fence=fence, layer_offset=self.stage.first_layer)
-        job = StageJob(rid, prompt, opening.sampling, target, push, fence, self.free_slots.pop(), [],
-                       first=loop.create_future(), broken=loop.create_future())
+                      len(prompt), fence=fence, layer_offset=0 if self.elastic else self.stage.first_layer,
+                      layers=layers)
+        job = StageJob(rid, prompt, opening.sampling, target, push, fence, self.free_slots.pop(), stage, [],
+                       first=loop.create_future(), broken=loop.create_future(), layers=layers,
+                       lead_cached=list(opening.lead_cached), lead_endpoint=opening.lead_endpoint)
         self.jobs[rid] = job
         w.prefiller.pushes[rid] = push  # the engine's layer hook pushes this stage's layers
         try:
@@ -246,13 +312,23 @@ class Pipeline:
                 if link is None:
                     raise EngineError(UNAVAILABLE, f"no link to the next stage at {opening.downstream[0]}")
                 job.next_link = link
-                job.next_opened = await self._call_next(job, link.stage_open(
-                    StageOpen(rid, prompt, opening.sampling, target, list(opening.downstream[1:])), CALL_TIMEOUT_S))
+                onward = StageOpen(rid, prompt, opening.sampling, target, list(opening.downstream[1:]))
+                if job.elastic:
+                    if not stage.index:  # the lead: its own cached run first, so the helpers can read it
+                        job.local = await self.engine.call(self._take_run, prompt)
+                        job.lead_cached = list(job.local)
+                    onward.elastic = (stage.index + 1, stage.count)
+                    onward.lead_cached = job.lead_cached
+                    onward.lead_endpoint = opening.lead_endpoint if stage.index else w.endpoint()
+                job.next_opened = await self._call_next(job, link.stage_open(onward, CALL_TIMEOUT_S))
                 if job.next_opened.row_bytes != self.row_bytes:
                     raise EngineError(PRECONDITION, f"the next stage's hidden states are {job.next_opened.row_bytes} "
                                                     f"bytes a token, here {self.row_bytes}")
-            job.local = await self.engine.call(self._take_run, prompt)
-            if w.pool is not None:  # the pool's run of this stage's layers, when longer than the own cache's
+            if not (job.elastic and not stage.index):  # (an elastic lead took its run above)
+                job.local = await self.engine.call(self._take_run, prompt)
+            if job.elastic and stage.index:  # the lead's cached run, read out of its KV cache
+                job.local += await self._pull_lead_run(job)
+            elif w.pool is not None and not job.elastic:  # the pool's run of this stage's layers, when longer
                 pooled = await w.pool.fetch_prefix(prompt)
                 if pooled:
                     await self.engine.call(self.engine.unreserve, job.local)
@@ -261,6 +337,44 @@ class Pipeline:
             await self._end(job)
             raise
         return job
+
+    async def _pull_lead_run(self, job: StageJob) -> list[int]:
+        """An elastic helper: read its layers of the lead's cached blocks beyond its own run into fresh
+        blocks (held; the engine takes them as imported). The lead holds those blocks until the request
+        ends. What cannot be read is computed (the group starts after the shortest run)."""
+        want = job.lead_cached[len(job.local):]
+        if not want or job.lead_endpoint is None:
+            return []
+        fresh = await self.engine.call(self.engine.block_manager.allocate, len(want))
+        if fresh is None:
+            metrics.deviated({"no_room": len(want)})
+            return []
+        w = self.worker
+        ops = read_ops(w.layout, w.layout, job.lead_endpoint.address, want, fresh, job.layers)
+        try:
+            await w.transfer.submit(ops, timeout_s=CALL_TIMEOUT_S)
+        except (TransferError, asyncio.TimeoutError) as e:
+            log.warning("elastic %s: reading the lead's %d cached blocks failed (%s); computing them", job.rid,
+                        len(want), e)
+            await self.engine.call(self.engine.unreserve, fresh)
+            metrics.deviated({"peer_read_failed": len(want)})
+            return []
+        metrics.PLAN_BLOCKS.labels("peer").inc(len(want))
+        return fresh
+
+    def _name_lead_blocks(self, job: StageJob, blocks: list[int], start: int) -> None:
+        """An elastic stage's first input names the lead's blocks of the prompt; a helper writes its layers
+        of the new tokens into them (``copy``) as it computes, so the lead can cache the prompt whole."""
+        w = self.worker
+        if len(blocks) != -(-len(job.prompt) // w.layout.block_size):
+            raise EngineError(INVALID, f"the first input of elastic request {job.rid!r} names {len(blocks)} lead "
+                                       f"blocks for a {len(job.prompt)}-token prompt")
+        job.lead_blocks = list(blocks)
+        if job.stage.index and job.lead_endpoint is not None:
+            assert self._loop is not None
+            job.copy = KVPush(w.transfer, self._loop, w.layout, w.layout, job.lead_endpoint.address, job.lead_blocks,
+                              len(job.prompt), layers=job.layers, start_tokens=start)  # the lead holds [0, start)
+            w.prefiller.copies[job.rid] = job.copy
 
     def _take_run(self, prompt: list[int]) -> list[int]:
         """Engine thread: the own cache's run of the prompt, referenced (at least one token is computed)."""
@@ -287,7 +401,7 @@ class Pipeline:
         one = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
         try:
             self.engine.add_request(job.prompt, one, job.rid, sink, imported_blocks=list(job.local), hold_blocks=True,
-                                    stage_input=None if self.stage.is_first else job.ready)
+                                    stage_input=None if job.stage.is_first else job.ready, layers=job.layers)
         except RequestError as e:
             raise EngineError(INVALID, str(e)) from None
         except EngineStoppedError as e:
@@ -305,23 +419,26 @@ class Pipeline:
         if job.broken in done:
             raise job.broken.result()
         if not done:
-            raise EngineError(DEADLINE, f"stage {self.stage} did not finish {job.rid} in {STAGE_TIMEOUT_S:.0f}s")
+            raise EngineError(DEADLINE, f"stage {job.stage} did not finish {job.rid} in {STAGE_TIMEOUT_S:.0f}s")
         out: Output = job.first.result()
         job.busy_s = out.compute_s
         if out.finish_reason == "abort":
             raise EngineError(CANCELLED, "prefill was aborted")
         if out.finish_reason == "error":
             raise EngineError(self.worker.error_kind(), f"{self.worker.name} could not prefill {job.rid}: {out.error}")
-        try:
-            await job.push.wait(PUSH_TIMEOUT_S)
-        except (TransferError, asyncio.TimeoutError) as e:
-            raise EngineError(UNAVAILABLE, f"stage {self.stage} pushing KV to {job.push.peer} failed: {e}") from None
+        for push in (job.push, job.copy):
+            if push is None:
+                continue
+            try:
+                await push.wait(PUSH_TIMEOUT_S)
+            except (TransferError, asyncio.TimeoutError) as e:
+                raise EngineError(UNAVAILABLE, f"stage {job.stage} pushing KV to {push.peer} failed: {e}") from None
         if job.sends is not None:
             await self._call_next(job, asyncio.shield(job.sends))
         self._account(job)
-        if self.worker.pool is not None:  # this stage's layers of the new full blocks, while still held
+        if self.worker.pool is not None and not job.elastic:  # this stage's layers of the new full blocks
             self.worker.pool.write_back(job.prompt, job.push.block_table, min(job.from_pool, job.kept))
-        if self.stage.is_last:
+        if job.stage.is_last:
             job.completed = True
             return first_token_result(out, job.prompt, job.params, job.push)
         assert job.next_link is not None
@@ -330,7 +447,11 @@ class Pipeline:
         bs = self.worker.layout.block_size
         later.push_bytes += job.push.bytes_sent
         later.push_s = max(later.push_s, job.push.seconds)
-        if self.stage.is_first:  # the group's answer: its whole time, as the conductor's cost model fits
+        if job.elastic and job.stage.is_first:  # every stage wrote its layers into the lead's blocks: whole here
+            await self.engine.call(self.engine.publish_held, job.rid)
+            if self.worker.pool is not None:
+                self.worker.pool.write_back(job.prompt, job.push.block_table, 0)
+        if job.stage.is_first:  # the group's answer: its whole time, as the conductor's cost model fits
             later.compute_s = time.monotonic() - job.opened_at
             later.cached_tokens = job.start_tokens or 0
             later.computed_tokens = len(job.prompt) - later.cached_tokens
@@ -339,8 +460,9 @@ class Pipeline:
 
     def _account(self, job: StageJob) -> None:
         wall = time.monotonic() - job.opened_at
-        metrics.STAGE_BUSY.labels(*self.labels).inc(job.busy_s)
-        metrics.STAGE_BUBBLE.labels(*self.labels).inc(max(0.0, wall - job.busy_s))
+        labels = (f"{job.stage.index}/{job.stage.count}",)
+        metrics.STAGE_BUSY.labels(*labels).inc(job.busy_s)
+        metrics.STAGE_BUBBLE.labels(*labels).inc(max(0.0, wall - job.busy_s))
 
     async def _call_next(self, job: StageJob, call):
         """A call to the next stage; its failure fails this stage's request (UNAVAILABLE: retry elsewhere)."""
@@ -371,11 +493,15 @@ class Pipeline:
                         opened.inbox.region, opened.inbox_offset + start * rb, (end - start) * rb)
         try:
             await self.worker.transfer.submit([op])
-            metrics.HIDDEN_BYTES.labels(*self.labels).inc(op.length)
-            await link.stage_input(job.rid, job.start_tokens, end, CALL_TIMEOUT_S)
+            metrics.HIDDEN_BYTES.labels(f"{job.stage.index}/{job.stage.count}").inc(op.length)
+            named = None
+            if job.elastic and not job.lead_named:  # the first input names the lead's blocks of the prompt
+                named = job.lead_blocks if job.stage.index else list(job.push.block_table)
+                job.lead_named = True
+            await link.stage_input(job.rid, job.start_tokens, end, CALL_TIMEOUT_S, lead_block_ids=named)
         except (EngineError, TransferError) as e:
             err = e if isinstance(e, EngineError) and e.kind in (INVALID, CANCELLED) else \
-                EngineError(UNAVAILABLE, f"stage {self.stage} could not hand tokens {start}-{end} to the next stage: {e}")
+                EngineError(UNAVAILABLE, f"stage {job.stage} could not hand tokens {start}-{end} to the next stage: {e}")
             self._fail(job, err)
             raise err from None
 
@@ -419,8 +545,9 @@ class Pipeline:
         try:
             if job.added and job.first is not None and not job.first.done():
                 self.engine.abort(job.rid)
-            if not await job.push.stop(PUSH_TIMEOUT_S):
-                log.warning("KV pushes of %s to %s did not end within %.0fs", job.rid, job.push.peer, PUSH_TIMEOUT_S)
+            for push in (job.push, job.copy):
+                if push is not None and not await push.stop(PUSH_TIMEOUT_S):
+                    log.warning("KV pushes of %s to %s did not end within %.0fs", job.rid, push.peer, PUSH_TIMEOUT_S)
             if job.sends is not None and not job.sends.done():
                 job.sends.cancel()
             if job.next_link is not None and not job.completed:
@@ -435,6 +562,7 @@ class Pipeline:
                 w.prefiller.queued_tokens -= len(job.prompt)
         finally:
             w.prefiller.pushes.pop(job.rid, None)
+            w.prefiller.copies.pop(job.rid, None)
             self.jobs.pop(job.rid, None)
             self.free_slots.append(job.slot)
             job.closed.set()

@@ -42,6 +42,7 @@ class Prefiller:
         self.layerwise = layerwise  # False: push everything once the prompt is done (the baseline)
         self.fetch = PrefixFetch(worker)
         self.pushes: dict[str, KVPush] = {}
+        self.copies: dict[str, KVPush] = {}  # elastic CPP helpers: their layers of the prompt, into the lead's blocks
         self.ended: dict[str, asyncio.Event] = {}  # set once a prefill's pushes have stopped
         self.queued_tokens = 0
         self.inflight = 0
@@ -52,6 +53,9 @@ class Prefiller:
             push = self.pushes.get(s.request_id)
             if push is not None:
                 push.on_layer(layer, s)
+            copy = self.copies.get(s.request_id)
+            if copy is not None:
+                copy.on_layer(layer, s)
 
     def _check(self, rid: str, prompt: list[int], params: SamplingParams, target: Reservation) -> None:
         w = self.worker

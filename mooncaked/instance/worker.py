@@ -60,8 +60,9 @@ class Worker:
         self.prefiller = Prefiller(self, layerwise=kv_push == "layerwise")
         self.lender = Lender(self)
         engine.layer_hook = self.prefiller.on_layer
-        # one stage of a chunked-pipeline prefill group (instance/pipeline.py), or None
-        self.pipeline = Pipeline(self) if engine.stage.count > 1 else None
+        # one stage of a static chunked-pipeline prefill group, or a whole-model prefill instance that leads
+        # or helps elastic groups per request (instance/pipeline.py); None on a decode instance
+        self.pipeline = Pipeline(self) if engine.stage.count > 1 or role == "prefill" else None
 
     # -- shared state -----------------------------------------------------------------------
     def check(self, role: str) -> None:
@@ -139,23 +140,30 @@ class Worker:
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams, target: Reservation,
                       plan: PrefillPlan | None = None, stages: list[str] | None = None) -> PrefillResult:
         """``stages``: on the first stage of a CPP group, the later stages' Engine addresses in order."""
-        if self.pipeline is not None:
+        helpers = list(plan.helpers) if plan is not None else []
+        if self.pipeline is not None and not self.pipeline.elastic:
             self.check("prefill")
             return await self.pipeline.head(request_id, prompt, params, target, list(stages or []))
         if stages:
             raise EngineError(PRECONDITION, f"{self.name} is not a pipeline stage; it prefills alone")
+        if helpers:  # an elastic group: the conductor lent these idle instances to this prompt
+            if self.pipeline is None:
+                raise EngineError(PRECONDITION, f"{self.name} is a {self.role} instance; it leads no prefill")
+            self.check("prefill")
+            return await self.pipeline.head(request_id, prompt, params, target, helpers)
         return await self.prefiller.prefill(request_id, prompt, params, target, plan)
 
     def _stage(self) -> Pipeline:
-        if self.pipeline is None or self.pipeline.stage.is_first:
+        if self.pipeline is None or (not self.pipeline.elastic and self.pipeline.stage.is_first):
             raise EngineError(PRECONDITION, f"{self.name} is not a later stage of a pipeline group")
         return self.pipeline
 
     async def stage_open(self, opening: StageOpen) -> StageOpened:
         return await self._stage().open(opening)
 
-    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int) -> None:
-        await self._stage().input(request_id, start_tokens, ready_tokens)
+    async def stage_input(self, request_id: str, start_tokens: int, ready_tokens: int,
+                          lead_block_ids: list[int] | None = None) -> None:
+        await self._stage().input(request_id, start_tokens, ready_tokens, lead_block_ids)
 
     async def stage_finish(self, request_id: str) -> PrefillResult:
         return await self._stage().finish(request_id)

@@ -160,6 +160,11 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                                  request.decode_address)
             opening = StageOpen(request.request_id, list(request.prompt_token_ids),
                                 sampling_from_proto(request.sampling), target, list(request.downstream))
+            if request.stage_count:  # elastic CPP: this whole-model instance is lent to one prompt
+                opening.elastic = (request.stage_index, request.stage_count)
+                opening.lead_cached = list(request.lead_cached_block_ids)
+                opening.lead_endpoint = (endpoint_from_proto(request.lead_endpoint)
+                                         if request.HasField("lead_endpoint") else None)
             opened = await self.worker.stage_open(opening)
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -170,7 +175,8 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
 
     async def StageInput(self, request, context):
         try:
-            await self.worker.stage_input(request.request_id, request.start_tokens, request.ready_tokens)
+            await self.worker.stage_input(request.request_id, request.start_tokens, request.ready_tokens,
+                                          list(request.lead_block_ids))
         except EngineError as e:
             await _refuse(context, e)
         return engine_pb2.StageInputReply()

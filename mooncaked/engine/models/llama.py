@@ -136,26 +136,32 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                layer_hook: LayerHook | None = None, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+                layer_hook: LayerHook | None = None, hidden_in: torch.Tensor | None = None,
+                layers: tuple[int, int] | None = None) -> torch.Tensor:
         """Hidden states of every new token; each layer's new K/V lands in ``kv_caches`` first.
 
         ``layer_hook(i, meta)`` runs right after (this stage's) layer i has written its K/V, which is
         where the prefill role starts pushing that layer to the decode instance. ``hidden_in``: the
         previous stage's hidden states of the new tokens (a stage that is not the first).
+        ``layers``: run only layers [first, end) of the ones held (an elastic pipeline's share of a
+        prompt on a whole-model engine): the embedding only from layer 0, the norm only to the last.
         """
-        if self.first:
+        lo, hi = layers if layers is not None else (0, len(self.layers))
+        if not 0 <= lo < hi <= len(self.layers):
+            raise ValueError(f"layer range {lo}-{hi} is outside the {len(self.layers)} layers held")
+        if self.first and lo == 0:
             x = self.embed_tokens(input_ids)
         else:
             if hidden_in is None or hidden_in.shape != (positions.shape[0], self.cfg.hidden_size):
-                raise ValueError(f"stage {self.stage} needs hidden states of shape "
+                raise ValueError(f"stage {self.stage} (layers from {lo}) needs hidden states of shape "
                                  f"({positions.shape[0]}, {self.cfg.hidden_size})")
             x = hidden_in
         rope = self.rope.lookup(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_caches[i], meta)
+        for i in range(lo, hi):
+            x = self.layers[i](x, rope, kv_caches[i], meta)
             if layer_hook is not None:
                 layer_hook(i, meta)
-        return self.norm(x) if self.last else x
+        return self.norm(x) if self.last and hi == len(self.layers) else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

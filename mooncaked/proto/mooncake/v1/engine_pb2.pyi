@@ -68,20 +68,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., plan: _Optional[_Union[PrefillPlan, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ..., stage_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillPlan(_message.Message):
-    __slots__ = ("reuse_blocks", "pull_from", "pull_blocks", "pull_address", "replicate", "pool_fallback")
+    __slots__ = ("reuse_blocks", "pull_from", "pull_blocks", "pull_address", "replicate", "pool_fallback", "helpers")
     REUSE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PULL_FROM_FIELD_NUMBER: _ClassVar[int]
     PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PULL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REPLICATE_FIELD_NUMBER: _ClassVar[int]
     POOL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    HELPERS_FIELD_NUMBER: _ClassVar[int]
     reuse_blocks: int
     pull_from: str
     pull_blocks: int
     pull_address: str
     replicate: bool
     pool_fallback: bool
-    def __init__(self, reuse_blocks: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ..., pull_address: _Optional[str] = ..., replicate: _Optional[bool] = ..., pool_fallback: _Optional[bool] = ...) -> None: ...
+    helpers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reuse_blocks: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ..., pull_address: _Optional[str] = ..., replicate: _Optional[bool] = ..., pool_fallback: _Optional[bool] = ..., helpers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs", "local_blocks", "pulled_blocks", "pulled_from", "replicated", "deviations")
@@ -245,7 +247,7 @@ class ReleaseReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class StageOpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "decode_address", "decode_ttl_s", "downstream")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_endpoint", "decode_block_ids", "decode_layout", "decode_address", "decode_ttl_s", "downstream", "stage_index", "stage_count", "lead_cached_block_ids", "lead_endpoint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,10 @@ class StageOpenRequest(_message.Message):
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LEAD_CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEAD_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -264,7 +270,11 @@ class StageOpenRequest(_message.Message):
     decode_address: str
     decode_ttl_s: float
     downstream: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ..., downstream: _Optional[_Iterable[str]] = ...) -> None: ...
+    stage_index: int
+    stage_count: int
+    lead_cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lead_endpoint: _common_pb2.TransferEndpoint
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., decode_layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., decode_address: _Optional[str] = ..., decode_ttl_s: _Optional[float] = ..., downstream: _Optional[_Iterable[str]] = ..., stage_index: _Optional[int] = ..., stage_count: _Optional[int] = ..., lead_cached_block_ids: _Optional[_Iterable[int]] = ..., lead_endpoint: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ...) -> None: ...
 
 class StageOpenReply(_message.Message):
     __slots__ = ("cached_blocks", "inbox", "inbox_offset", "row_bytes")
@@ -279,14 +289,16 @@ class StageOpenReply(_message.Message):
     def __init__(self, cached_blocks: _Optional[int] = ..., inbox: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., inbox_offset: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
 
 class StageInputRequest(_message.Message):
-    __slots__ = ("request_id", "start_tokens", "ready_tokens")
+    __slots__ = ("request_id", "start_tokens", "ready_tokens", "lead_block_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     START_TOKENS_FIELD_NUMBER: _ClassVar[int]
     READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEAD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     start_tokens: int
     ready_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., start_tokens: _Optional[int] = ..., ready_tokens: _Optional[int] = ...) -> None: ...
+    lead_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., start_tokens: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., lead_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageInputReply(_message.Message):
     __slots__ = ()
