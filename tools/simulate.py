@@ -21,8 +21,8 @@ do; without it each instance has a machine of its own.
 
 Chunked pipeline parallel (CPP) groups: ``--pipeline-groups G --pipeline-stages S`` make G
 groups of S of the ``--prefill`` machines, each one prefill unit (``tools/sim/pipeline.py``);
-``--policy mooncaked_elastic`` (simulation only) pipelines a long prompt over idle single
-instances instead (``tools/sim/elastic.py``).
+``--policy mooncaked_elastic`` pipelines a long prompt over idle single instances instead
+(the conductor's ``ElasticMooncakedPolicy`` with the profile's pipeline shape, ``tools/sim/elastic.py``).
 
     python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
     python tools/simulate.py --seeds 4 --pipeline-groups 2 --pipeline-stages 4 --policy mooncake mooncaked
@@ -126,8 +126,8 @@ def parser() -> argparse.ArgumentParser:
                     help="with --shared-cores: torch threads per instance (as the profile was measured)")
     ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
                     metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
-                                         f"{ELASTIC_POLICY}: simulation only, pipelines a prompt over idle "
-                                         "single instances)")
+                                         f"{ELASTIC_POLICY}: pipelines a prompt over idle single instances "
+                                         "lent to it)")
     ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
                     help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")

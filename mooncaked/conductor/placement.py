@@ -10,6 +10,7 @@ is a typed error of ``errors.py``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.readiness import ReadyGate
 from mooncaked.conductor.registry import Instance, Registry
 from mooncaked.conductor.router import Route, SchedulerState, pick, predict_kv_wait
+from mooncaked.conductor.views import ElasticDecision
 from mooncaked.conductor.waiting import Backoff, Deadline
 from mooncaked.engine import SamplingParams
 from mooncaked.tasks import spawn
@@ -60,6 +62,7 @@ class Placement:
         failures = 0
         last_error, last_peer = "", ""
         last_kind: str | None = None
+        alone = False  # an elastic prefill failed: the retries plan no helpers
         backoff = Backoff()
         await self._wait_until_ready(deadline)
         while True:
@@ -85,75 +88,104 @@ class Placement:
                 if last_kind == OUT_OF_RANGE:
                     raise OutOfRange(last_error) from None
                 raise NoInstance(self._no_instance(e, deadline, last_error), e.role) from None
-            decode = route.decode
-            # one engine-side id per attempt: a late call of an abandoned attempt (its reservation left to
-            # expire on a decode, its Abort) touches nothing of the next, even on the same instances
-            eid = f"{rid}.{uuid.uuid4().hex[:8]}"
-            try:
-                reserved = await self._reserve(decode, eid, ids, params, deadline)
-            except EngineError as e:
-                if e.kind == EXHAUSTED:  # "no room now": try the others, then wait
-                    full.add(decode.name)
-                    full_route = (route, e.detail)
-                    continue
-                last_kind, last_error, last_peer = e.kind, f"{decode.name}: {e.detail}", decode.name
-                if e.kind == OUT_OF_RANGE:  # this decode can never hold the prompt
-                    tried.add(decode.name)
-                    continue
-                if e.kind not in RETRYABLE:
-                    raise PeerFailed(e.detail, decode.name, e.kind) from None
-                if e.kind in (UNAVAILABLE, DEADLINE):
-                    self.registry.mark_lost(decode, f"Reserve failed: {e.kind}")
-                failures += 1
-                continue
-            reserved.engine_address = decode.address  # the prefill renews it there while it writes
-            lease = DecodeLease(decode, eid, reserved)
-            lease.start()
             prefill = route.prefill
+            # counted from the pick: an instance with a prefill on its way is lent to no other prompt
             prefill.inflight += 1
-            self.scheduler.routed(rid, route, len(ids), params.max_tokens, hashes)
-            done = False
-            started = time.monotonic()
+            if route.helpers:
+                route = self._lend(route, rid, alone)
             try:
-                plan = route.plan(self.registry.find)
-                if plan is not None and not self.sees_pool():
-                    plan.pool_fallback = True
-                result = await self._prefill(prefill, eid, ids, params, reserved,
-                                             deadline.client_left(PREFILL_TIMEOUT_S), plan)
-                done = True
-                self.scheduler.prefill_done(rid, prefill.name, result.computed_tokens, result.cached_tokens,
-                                            result.compute_s or None)
-                if result.push_bytes and result.push_s > 0:
-                    self.scheduler.observe_transfer(prefill.name, "remote", result.push_bytes, result.push_s)
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("%s", _route_trace(rid, route, len(ids), result, time.monotonic() - started))
-                return prefill, lease, result
-            except asyncio.CancelledError:
-                # the client went away: stop the prefill, then (once it acknowledged) free the decode blocks
-                spawn(end_attempt(prefill, lease, eid, prefill_ended=False), f"end-{eid}")
-                raise
-            except EngineError as e:
-                # in the background: a hung prefill instance must not hold up the retry
-                spawn(end_attempt(prefill, lease, eid, prefill_ended=e.kind in HANDLER_ENDED), f"end-{eid}")
-                last_kind, last_error, last_peer = e.kind, f"{prefill.name}: {e.detail}", prefill.name
-                if e.kind == ABORTED:
-                    # the KV push to the decode instance failed: it is likely gone; route again
-                    log.warning("KV push of %s to %s failed: %s", rid, decode.name, e.detail)
-                    self.registry.mark_lost(decode, f"KV push failed: {e.detail}")
-                    last_error, last_peer = f"{decode.name}: {e.detail}", decode.name
+                decode = route.decode
+                # one engine-side id per attempt: a late call of an abandoned attempt (its reservation left to
+                # expire on a decode, its Abort) touches nothing of the next, even on the same instances
+                eid = f"{rid}.{uuid.uuid4().hex[:8]}"
+                try:
+                    reserved = await self._reserve(decode, eid, ids, params, deadline)
+                except EngineError as e:
+                    if e.kind == EXHAUSTED:  # "no room now": try the others, then wait
+                        full.add(decode.name)
+                        full_route = (route, e.detail)
+                        continue
+                    last_kind, last_error, last_peer = e.kind, f"{decode.name}: {e.detail}", decode.name
+                    if e.kind == OUT_OF_RANGE:  # this decode can never hold the prompt
+                        tried.add(decode.name)
+                        continue
+                    if e.kind not in RETRYABLE:
+                        raise PeerFailed(e.detail, decode.name, e.kind) from None
+                    if e.kind in (UNAVAILABLE, DEADLINE):
+                        self.registry.mark_lost(decode, f"Reserve failed: {e.kind}")
                     failures += 1
                     continue
-                if e.kind not in RETRYABLE:
-                    raise PeerFailed(e.detail, prefill.name, e.kind) from None
-                log.warning("prefill of %s on %s failed (%s); retrying elsewhere", rid, prefill.name, e.kind)
-                if e.kind == UNAVAILABLE:
-                    self.registry.mark_lost(prefill, e.detail or "unavailable")
-                tried.add(prefill.name)
-                failures += 1
+                reserved.engine_address = decode.address  # the prefill renews it there while it writes
+                lease = DecodeLease(decode, eid, reserved)
+                lease.start()
+                plan = route.plan(self.registry.find)
+                if route.helpers and (plan is None or not plan.helpers
+                                      or self.scheduler.backlog(prefill.name).seconds(time.monotonic()) > 0):
+                    # a helper left, or work reached the lead while the decode reserved: no pipeline
+                    route = self._alone(route, rid)
+                    plan = route.plan(self.registry.find)
+                if plan is not None and not self.sees_pool():
+                    plan.pool_fallback = True
+                self.scheduler.routed(rid, route, len(ids), params.max_tokens, hashes)
+                done = False
+                started = time.monotonic()
+                try:
+                    result = await self._prefill(prefill, eid, ids, params, reserved,
+                                                 deadline.client_left(PREFILL_TIMEOUT_S), plan)
+                    done = True
+                    self.scheduler.prefill_done(rid, prefill.name, result.computed_tokens, result.cached_tokens,
+                                                result.compute_s or None)
+                    if result.push_bytes and result.push_s > 0:
+                        self.scheduler.observe_transfer(prefill.name, "remote", result.push_bytes, result.push_s)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("%s", _route_trace(rid, route, len(ids), result, time.monotonic() - started))
+                    return prefill, lease, result
+                except asyncio.CancelledError:
+                    # the client went away: stop the prefill, then (once it acknowledged) free the decode blocks
+                    spawn(end_attempt(prefill, lease, eid, prefill_ended=False), f"end-{eid}")
+                    raise
+                except EngineError as e:
+                    # in the background: a hung prefill instance must not hold up the retry
+                    spawn(end_attempt(prefill, lease, eid, prefill_ended=e.kind in HANDLER_ENDED), f"end-{eid}")
+                    last_kind, last_error, last_peer = e.kind, f"{prefill.name}: {e.detail}", prefill.name
+                    if e.kind == ABORTED:
+                        # the KV push to the decode instance failed: it is likely gone; route again
+                        log.warning("KV push of %s to %s failed: %s", rid, decode.name, e.detail)
+                        self.registry.mark_lost(decode, f"KV push failed: {e.detail}")
+                        last_error, last_peer = f"{decode.name}: {e.detail}", decode.name
+                        failures += 1
+                        continue
+                    if e.kind not in RETRYABLE:
+                        raise PeerFailed(e.detail, prefill.name, e.kind) from None
+                    log.warning("prefill of %s on %s failed (%s); retrying elsewhere", rid, prefill.name, e.kind)
+                    # which of an elastic prefill's machines failed is not told: the lead is marked lost as a static
+                    # group's head is (until its next heartbeat), and the retries run alone
+                    alone = alone or bool(route.helpers)
+                    if e.kind == UNAVAILABLE:
+                        self.registry.mark_lost(prefill, e.detail or "unavailable")
+                    tried.add(prefill.name)
+                    failures += 1
+                finally:
+                    if not done:
+                        self.scheduler.prefill_done(rid, prefill.name, cached=False)
             finally:
                 prefill.inflight -= 1
-                if not done:
-                    self.scheduler.prefill_done(rid, prefill.name, cached=False)
+                self.registry.give_back(rid)  # the lead's prefill ended: its helpers take work again
+
+    def _lend(self, route: Route, rid: str, alone: bool) -> Route:
+        """Lend an elastic route's helpers to ``rid`` from the pick until the lead's prefill ends; when
+        that cannot be (a retry, a helper taken or gone meanwhile), the route without them."""
+        if not alone and self.registry.lend(route.helpers, rid):
+            return route
+        return self._alone(route, rid)
+
+    def _alone(self, route: Route, rid: str) -> Route:
+        """The route without helpers, booked for the lead's time alone (``ElasticDecision.alone``)."""
+        self.registry.give_back(rid)
+        decision = route.decision
+        if isinstance(decision, ElasticDecision):
+            decision = decision.alone()
+        return dataclasses.replace(route, decision=decision)
 
     async def _prefill(self, prefill: Instance, eid: str, ids: list[int], params: SamplingParams,
                        target: Reservation, timeout_s: float, plan: PrefillPlan | None) -> PrefillResult:

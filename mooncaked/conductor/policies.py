@@ -17,19 +17,23 @@ One object per policy, chosen by name; the live conductor and the simulator call
   pulling is predicted faster than recomputing (no length-ratio heuristic to tune), a pulled
   prefix is replicated only when it is hot (other requests held it lately), and a chunked
   pipeline group (several machines as one unit) is used only when it earns its machines
-  (``pick_fewest_machines``).
+  (``pick_fewest_machines``);
+- ``mooncaked_elastic``: ``mooncaked``, and a long prompt may pipeline over idle single
+  instances lent to it for that prompt (elastic CPP, ``ElasticMooncakedPolicy``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 from mooncaked.conductor.early_rejection import SLO, DecodeForecast, check_ttft, pick_decode
-from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView
+from mooncaked.conductor.pipeline_cost import PipelineShape, pipeline_prefill_s
+from mooncaked.conductor.views import ClusterView, Decision, ElasticDecision, InstanceView, Rejection, RequestView
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,12 @@ GROUP_MIN_GAIN = 0.3
 # prefix_demand's window held the whole pulled run (the prefix is hot; docs/performance.md, "Beyond
 # Algorithm 1")
 HOT_MIN_DEMAND = 1
+ELASTIC_POLICY = "mooncaked_elastic"
+DEFAULT_MAX_STAGES = 8
+# the live conductor's elastic pipeline chunk: an engine's step budget, which engines do not report when they
+# register, so the GPU default (engine/config.py DEFAULT_STEP_TOKENS; not imported: it pulls in torch). It
+# only shapes the predicted fill and drain; measured group times calibrate the lead's model either way.
+LIVE_ELASTIC_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -283,15 +293,117 @@ def pick_fewest_machines(choices: list[PrefillEstimate], min_gain: float = GROUP
     return best
 
 
+class ElasticMooncakedPolicy(MooncakedPolicy):
+    """``mooncaked``, and a prompt may grow a pipeline over idle single instances (elastic CPP).
+
+    After ``mooncaked``'s choice, when that instance is idle, the pipeline doubles (2, 4, 8
+    stages, at most ``max_stages`` and the idle single instances there are, predicted fastest
+    first) while each doubling cuts the predicted TTFT by the factor ``1 + GROUP_MIN_GAIN``,
+    the bar a static group must clear: machines are borrowed only where they earn their keep.
+    (Growing one stage at a time stops at 3-4 stages, where one more gains < 1.3x: first half
+    of the bundled trace, 16 singles, seeds 0-3: 1.084 s against 0.996 s doubling; 4 stages
+    at most 0.988 s, 16 at most 1.021 s.)
+
+    A prompt that misses the TTFT SLO on any one machine (the 100k+ token prompts, ~40 s alone)
+    is the one a pipeline rescues, so when the machine chosen for it is busy it leads its pipeline
+    from the best idle one instead. (A reserve of idle machines kept for such prompts was tried
+    and not chosen: keeping 0, 1, 2, 4 or 8 back, first half, seeds 0-9, the SLO misses were noise
+    and 0 the fastest; docs/performance.md, "Beyond Algorithm 1".)
+
+    ``shape_for(stages)`` is the pipeline's shape: the simulator's from its profile, the live
+    conductor's ``live_elastic_shape``. The caller lends the helpers (``ElasticDecision.helpers``)
+    until the lead's prefill ends and books them for the predicted pipeline time (live:
+    ``placement.py``, ``router.SchedulerState``; simulated: ``tools/sim/engine.py``).
+    """
+
+    name = ELASTIC_POLICY
+
+    def __init__(self, slo: SLO | None = None, seed: int = 0,
+                 kvcache_balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD, *,
+                 shape_for: Callable[[int], PipelineShape], max_stages: int = DEFAULT_MAX_STAGES) -> None:
+        super().__init__(slo=slo, seed=seed, kvcache_balancing_threshold=kvcache_balancing_threshold)
+        if max_stages < 1:
+            raise ValueError("max_stages must be at least 1")
+        self.shape_for = shape_for
+        self.max_stages = max_stages
+        self._helpers: tuple[str, tuple[str, ...], int, float] = ("", (), 0, 0.0)
+
+    def choose_prefill(self, request: RequestView, cluster: ClusterView,
+                       prefills: list[InstanceView]) -> PrefillEstimate:
+        self._helpers = ("", (), 0, 0.0)
+        choices = self.estimates(request, prefills)
+        est = pick_fewest_machines(choices)
+        if self.max_stages < 2:
+            return est
+        # a prompt that misses its TTFT SLO on any one machine may lead its pipeline from an idle
+        # machine other than the one chosen
+        chosen = est
+        critical = self.enforce_slo and est.ttft_s > self.slo.ttft_s
+        if est.instance.queued_s > 0 and critical:
+            est = min((e for e in choices if e.instance.pipeline_stages == 1 and e.instance.queued_s <= 0),
+                      key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name), default=est)
+        lead = est.instance
+        if lead.pipeline_stages != 1 or lead.queued_s > 0:
+            return est
+        probe = min(request.prompt_len, self.shape_for(2).chunk_tokens)
+        idle = sorted((p for p in prefills if p is not lead and p.pipeline_stages == 1 and p.queued_s <= 0),
+                      key=lambda p: (p.model.prefill.predict(probe, 0), p.name))
+        cached = max(0, min(est.reuse_blocks * request.block_size, request.prompt_len - 1))
+        lead_probe = lead.model.prefill.predict(probe, 0)
+        best, helpers = est, ()
+        most = min(self.max_stages, len(idle) + 1)
+        for stages in sorted({min(2 ** i, most) for i in range(1, most.bit_length() + 1)} - {1}):
+            k = stages - 1
+            shape = self.shape_for(stages)
+            speeds = (1.0, *(lead_probe / max(p.model.prefill.predict(probe, 0), 1e-12) for p in idle[:k]))
+            prefill = pipeline_prefill_s(lead.model.prefill.predict, request.prompt_len - cached, cached, shape, speeds)
+            cand = PrefillEstimate(lead, est.reuse_blocks, est.local_blocks,
+                                   est.transfer_s * max(shape.stage_fractions), prefill)
+            if cand.ttft_s * (1 + GROUP_MIN_GAIN) > best.ttft_s:
+                break
+            best, helpers = cand, tuple(p.name for p in idle[:k])
+        if best.ttft_s >= chosen.ttft_s:
+            return chosen
+        if helpers:
+            self._helpers = (lead.name, helpers, self.shape_for(2).chunk_tokens, est.service_s)
+        return best
+
+    def decide(self, request: RequestView, cluster: ClusterView) -> Decision | Rejection:
+        decision = super().decide(request, cluster)
+        lead, helpers, chunk, alone_s = self._helpers
+        if not isinstance(decision, Decision) or not helpers or decision.prefill != lead:
+            return decision
+        fields = {f.name: getattr(decision, f.name) for f in dataclasses.fields(Decision)}
+        return ElasticDecision(**fields, helpers=helpers, chunk_tokens=chunk, alone_prefill_s=alone_s)
+
+
+def live_elastic_shape(stages: int) -> PipelineShape:
+    """The live conductor's elastic pipeline: even layer shares (the engine's ``stage.split_layers`` differs
+    by at most one layer), ``LIVE_ELASTIC_CHUNK_TOKENS`` chunks, and no hop cost: the conductor measures no
+    link between prefill instances, and a chunk's hidden states (hidden size x dtype per token, a few KiB) are
+    left out rather than guessed; the lead's measured group times calibrate its model (``SchedulerState``)."""
+    return PipelineShape.even(stages, LIVE_ELASTIC_CHUNK_TOKENS)
+
+
 POLICIES: dict[str, type[Policy]] = {c.name: c for c in (RandomPolicy, RoundRobinPolicy, LoadBalancePolicy,
                                                           CacheAwareLocalPolicy, MooncakePolicy, MooncakedPolicy)}
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
+# the live conductor's choices: the compared policies, and elastic CPP (which needs its pipeline's shape)
+LIVE_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, ELASTIC_POLICY)
+
+
 def make_policy(name: str, *, slo: SLO | None = None, seed: int = 0,
-                kvcache_balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD) -> Policy:
-    """A fresh policy object by name; raises ``ValueError`` naming the known ones."""
+                kvcache_balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD,
+                shape_for: Callable[[int], PipelineShape] = live_elastic_shape,
+                max_stages: int = DEFAULT_MAX_STAGES) -> Policy:
+    """A fresh policy object by name; raises ``ValueError`` naming the known ones. ``shape_for`` and
+    ``max_stages`` are ``mooncaked_elastic``'s (default: the live conductor's shape)."""
+    if name == ELASTIC_POLICY:
+        return ElasticMooncakedPolicy(slo=slo, seed=seed, kvcache_balancing_threshold=kvcache_balancing_threshold,
+                                      shape_for=shape_for, max_stages=max_stages)
     cls = POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(LIVE_POLICY_NAMES)}")
     return cls(slo=slo, seed=seed, kvcache_balancing_threshold=kvcache_balancing_threshold)

@@ -4,7 +4,9 @@ Engines register and heartbeat; an instance whose heartbeats stop for
 ``heartbeat_timeout_s`` is marked dead, and a dead or draining one gets no new work.
 A registration under a known name is a restarted process: it gets a fresh link at once
 (the old one, possibly in its transport's reconnect backoff, is closed). ``changes`` wakes
-requests that wait for an instance or for decode KV room (conductor/waiting.py).
+requests that wait for an instance or for decode KV room (conductor/waiting.py). A prefill
+instance lent to another's elastic CPP prefill (``lend``) takes no work of its own until the
+lead's prefill ends (``give_back``).
 
 The records are plain data; how an instance is reached is its ``EngineLink``, made by the
 ``connect`` function the registry is given (gRPC in the daemon, in-process in tests).
@@ -61,6 +63,7 @@ class Instance:
     inflight: int = 0  # requests the conductor has routed here and not yet seen finish
     dead_since: float | None = None  # when it was last marked dead
     pipeline: PipelineMember | None = None  # a stage of a CPP prefill group (the head, stage 0, is routed to)
+    lent_to: str = ""  # elastic CPP: the request whose lead borrowed this instance for its prefill ("": none)
 
     @property
     def available(self) -> bool:
@@ -153,15 +156,35 @@ class Registry:
 
     def available(self, role: str) -> list[Instance]:
         """Instances of ``role`` that take work now. A CPP group is one prefill unit, its head: only while
-        every stage of it serves (a group missing a stage gets no work)."""
+        every stage of it serves (a group missing a stage gets no work). A lent instance takes none."""
         out = []
         for i in self.instances.values():
-            if i.role != role or not i.available:
+            if i.role != role or not i.available or i.lent_to:
                 continue
             if i.pipeline is not None and (i.pipeline.stage != 0 or self.stage_addresses(i) is None):
                 continue
             out.append(i)
         return out
+
+    def lend(self, names: tuple[str, ...] | list[str], request_id: str) -> bool:
+        """Lend these single prefill instances to ``request_id``'s elastic prefill, all or none: False (and
+        nothing lent) when one of them is gone, not serving, a group's stage, already lent, or has a prefill
+        of its own on the way (``inflight``: routed, its booking may not have reached the policy's view)."""
+        helpers = [self.instances.get(n) for n in names]
+        if not all(h is not None and h.role == "prefill" and h.available and h.pipeline is None and not h.lent_to
+                   and h.inflight == 0 for h in helpers):
+            return False
+        for h in helpers:
+            h.lent_to = request_id  # type: ignore[union-attr]
+        return True
+
+    def give_back(self, request_id: str) -> None:
+        """The lead's prefill of ``request_id`` ended (done, failed or cancelled): its helpers take work again."""
+        back = [i for i in self.instances.values() if i.lent_to == request_id]
+        for i in back:
+            i.lent_to = ""
+        if back:
+            self.changes.notify()  # a request waiting for a prefill instance may go now
 
     def group_members(self, group: str) -> list[Instance]:
         """The registered stages of a CPP group, in stage order."""

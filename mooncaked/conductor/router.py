@@ -21,12 +21,14 @@ from typing import Callable
 from mooncaked.conductor.cost_model import GENERIC, InstanceModel, PrefillBacklog, Profile
 from mooncaked.conductor.engine_link import DEAD, POOL, PrefillPlan
 from mooncaked.conductor.errors import NoInstance, Rejected
-from mooncaked.conductor.policies import CacheAwareLocalPolicy, Policy
+from mooncaked.conductor.policies import CacheAwareLocalPolicy, ElasticMooncakedPolicy, Policy
 from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
-from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model
+from mooncaked.conductor.pipeline_cost import (DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model,
+                                               pipeline_prefill_s)
 from mooncaked.conductor.registry import Instance, PipelineMember, Registry
-from mooncaked.conductor.views import ClusterView, Decision, InstanceView, Rejection, RequestView, SeqLoad
+from mooncaked.conductor.views import (ClusterView, Decision, ElasticDecision, InstanceView, Rejection, RequestView,
+                                       SeqLoad)
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +49,23 @@ class Route:
     cached_blocks: int
     decision: Decision | None = None
 
+    @property
+    def helpers(self) -> tuple[str, ...]:
+        """The instances lent to this prompt's prefill (elastic CPP), in stage order after the lead."""
+        return self.decision.helpers if isinstance(self.decision, ElasticDecision) else ()
+
     def plan(self, find: Callable[[str], Instance | None] = lambda name: None) -> PrefillPlan | None:
         """What the policy decided the prefill should reuse and pull; travels with the prefill call.
         ``find`` names a holder's instance: a pull from a live peer goes straight to its KV cache (at
-        its address); from the pool's holder, or a peer that is gone, it goes to the pool."""
+        its address); from the pool's holder, or a peer that is gone, it goes to the pool. The helpers
+        of an elastic prefill go by their Engine addresses, all or none: one gone (dead, draining, a
+        group's stage now) and the lead runs alone."""
         d = self.decision
         if d is None:
             return None
+        helpers = [find(name) for name in self.helpers]
+        addresses = [h.address for h in helpers if h is not None and h.available and h.pipeline is None
+                     and h is not self.prefill]
         pull_blocks = max(0, d.reuse_blocks - d.local_blocks)
         source, address = "", ""
         if self.prefill.pipeline is not None:
@@ -65,7 +77,8 @@ class Route:
             else:
                 source = POOL
         return PrefillPlan(reuse_blocks=d.local_blocks, pull_from=source, pull_blocks=pull_blocks if source else 0,
-                           pull_address=address, replicate=d.replicate)
+                           pull_address=address, replicate=d.replicate,
+                           helpers=addresses if len(addresses) == len(self.helpers) else [])
 
 
 @dataclass
@@ -141,7 +154,9 @@ class SchedulerState:
     was streamed); ``demand`` the routed requests per prefix lately (what makes a prefix hot). Call
     ``routed`` after a successful ``pick``, ``prefill_done`` when the
     Prefill RPC returns (or fails), ``heard`` on each heartbeat, ``tokens`` as tokens are
-    relayed, ``finished`` at the end.
+    relayed, ``finished`` at the end. An elastic prefill's helpers are booked for its predicted
+    pipeline time, as its lead is, until the lead's prefill returns (``pipelines``: its shape, which
+    turns the group's measured time into the lead's own).
     """
 
     policy: Policy
@@ -152,6 +167,7 @@ class SchedulerState:
     seqs: dict[str, _Seq] = field(default_factory=dict)
     pending: dict[str, PendingBlocks] = field(default_factory=dict)
     demand: PrefixDemand = field(default_factory=PrefixDemand)
+    pipelines: dict[str, PipelineShape] = field(default_factory=dict)  # request id -> its elastic pipeline
 
     def model(self, name: str, pipeline: PipelineMember | None = None, block_bytes: int = 0) -> InstanceModel:
         """An instance's fitted time model; a CPP group's head gets one of the whole pipeline (fill and
@@ -196,6 +212,10 @@ class SchedulerState:
         d = route.decision
         predicted = d.predicted_prefill_s if d else 0.0
         self.backlog(route.prefill.name).add(request_id, predicted, prompt_len)
+        if route.helpers and isinstance(self.policy, ElasticMooncakedPolicy):
+            self.pipelines[request_id] = self.policy.shape_for(1 + len(route.helpers))
+            for h in route.helpers:  # lent: busy for the pipeline's time, with no prompt of their own
+                self.backlog(h).add(request_id, predicted, 0)
         if hashes:
             self.pending.setdefault(route.prefill.name, PendingBlocks()).add(request_id, tuple(hashes))
             self.demand.routed(request_id, hashes, self.clock())
@@ -206,8 +226,12 @@ class SchedulerState:
                      compute_s: float | None = None, cached: bool = True) -> None:
         """The Prefill RPC returned; ``compute_s`` is the engine-measured compute time, if known.
         Its blocks stay pending until the instance's heartbeats have surely reported them;
-        ``cached=False`` (it failed): they are dropped at once."""
-        self.backlog(prefill).finish(request_id)
+        ``cached=False`` (it failed): they are dropped at once. An elastic prefill's helpers are free
+        again, and its measured time, the whole pipeline's, is scaled to one machine's by the schedule
+        (as ``PipelinePrefillModel.observe`` does for a static group) before the lead's model sees it."""
+        for b in self.backlogs.values():  # the lead's, and its helpers' for an elastic prefill
+            b.finish(request_id)
+        shape = self.pipelines.pop(request_id, None)
         p = self.pending.get(prefill)
         if p is not None:
             if cached:
@@ -215,7 +239,13 @@ class SchedulerState:
             else:
                 p.drop(request_id)
         if compute_s is not None:
-            self.model(prefill).prefill.observe(uncached, prefix, compute_s)
+            machine = self.model(prefill).prefill
+            if shape is not None:
+                group = pipeline_prefill_s(machine.predict, int(uncached), int(prefix), shape)
+                if group <= 0:
+                    return
+                compute_s *= machine.predict(uncached, prefix) / group
+            machine.observe(uncached, prefix, compute_s)
 
     def tokens(self, request_id: str, n: int = 1) -> None:
         s = self.seqs.get(request_id)
@@ -227,6 +257,7 @@ class SchedulerState:
         """The request ended: its decode sequence and queued prefill go; blocks of a prefill that
         returned settle as usual (they are cached), those of one that never ran are dropped."""
         self.seqs.pop(request_id, None)
+        self.pipelines.pop(request_id, None)
         for b in self.backlogs.values():
             b.finish(request_id)
         for p in self.pending.values():

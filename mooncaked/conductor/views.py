@@ -8,6 +8,7 @@ acts on the ``Decision`` (and tells its ledgers) or maps the ``Rejection`` to an
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mooncaked.conductor.cost_model import InstanceModel
@@ -113,6 +114,21 @@ class Decision:
     predicted_ttft_s: float = 0.0
     predicted_tbt_s: float = 0.0
     predicted_prefill_s: float = 0.0  # transfer + compute on the chosen instance, without its queue
+
+
+@dataclass(frozen=True)
+class ElasticDecision(Decision):
+    """A ``Decision`` whose prefill also runs on ``helpers`` (elastic CPP), in stage order after ``prefill``;
+    ``alone_prefill_s``: its predicted prefill on ``prefill`` alone (should the helpers be busy or gone)."""
+
+    helpers: tuple[str, ...] = ()
+    chunk_tokens: int = 0
+    alone_prefill_s: float = 0.0
+
+    def alone(self) -> "ElasticDecision":
+        """The same route without helpers, booked for its time alone: a pipeline that cannot be formed must
+        not leave its machine looking free too early (docs/performance.md, "Elastic CPP and the SLO")."""
+        return dataclasses.replace(self, helpers=(), predicted_prefill_s=self.alone_prefill_s)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ sequence to D, or count the rejection.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import random
@@ -196,7 +195,7 @@ class Simulation:
         if helpers and not (p.idle and all(h.idle for h in helpers)):
             # the books were behind (a prefill overran its prediction): no pipeline, and the prompt is
             # booked for what it will take alone, so the next decisions see the queue it makes
-            decision = dataclasses.replace(decision, helpers=(), predicted_prefill_s=decision.alone_prefill_s)
+            decision = decision.alone()
             helpers = []
         job = Job(req, decision, now)
         if helpers:
