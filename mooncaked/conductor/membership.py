@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from mooncaked.conductor.engine_link import DRAINING, REMOVED, STORED, EngineError, Heartbeat, TransferEndpoint
 from mooncaked.conductor.errors import AlreadyExists, BadRequest, FailedPrecondition, NotFound
-from mooncaked.conductor.policies import make_policy
+from mooncaked.conductor.policies import LiveElasticShape, make_policy
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
 from mooncaked.conductor.readiness import ReadyGate
 from mooncaked.conductor.registry import DEAD, Connect, Instance, PipelineMember, Registry
@@ -37,6 +37,7 @@ class Registration:
     layout: KVLayout
     transfer: TransferEndpoint = field(default_factory=TransferEndpoint)
     pipeline: PipelineMember | None = None  # one stage of a CPP prefill group
+    step_tokens: int = 0  # the engine's step budget (0: not said): an elastic pipeline's chunk
 
 
 def check_member(name: str, role: str, member: PipelineMember, registry: Registry) -> None:
@@ -98,6 +99,9 @@ class Membership:
             raise FailedPrecondition(f"{r.name} serves model {r.model_id!r}; this conductor serves {self.model_id!r}")
         if r.pipeline is not None:
             check_member(r.name, r.role, r.pipeline, self.registry)
+        shape = getattr(self.scheduler.policy, "shape_for", None)
+        if isinstance(shape, LiveElasticShape) and r.role == "prefill" and r.pipeline is None and r.step_tokens:
+            shape.chunk_tokens = r.step_tokens  # (one engine config per cluster: the last one registered)
         self.index.drop_instance(r.name)  # a (re)started instance reports its cache afresh
         self.scheduler.forget(r.name)
         self.registry.register(Instance(r.name, r.role, r.address, r.model_id, r.layout, r.transfer,

@@ -280,6 +280,7 @@ def _route_trace(rid: str, route: Route, prompt_len: int, result: PrefillResult,
     predicted = (f"predicted queue {d.predicted_ttft_s - d.predicted_prefill_s:.3f} s + prefill "
                  f"{d.predicted_prefill_s:.3f} s, reuse {d.local_blocks}+{d.reuse_blocks - d.local_blocks} blocks"
                  if d is not None else "no prediction")
-    return (f"route {rid}: {prompt_len} tokens -> {route.prefill.name}/{route.decode.name}; {predicted}; "
+    lent = f" with helpers {','.join(route.helpers)}" if route.helpers else ""
+    return (f"route {rid}: {prompt_len} tokens -> {route.prefill.name}{lent}/{route.decode.name}; {predicted}; "
             f"took {took_s:.3f} s (compute {result.compute_s:.3f} s, cached {result.cached_tokens}, "
             f"computed {result.computed_tokens}, pulled {result.pulled_blocks} from {result.pulled_from or '-'})")

@@ -48,9 +48,9 @@ GROUP_MIN_GAIN = 0.3
 HOT_MIN_DEMAND = 1
 ELASTIC_POLICY = "mooncaked_elastic"
 DEFAULT_MAX_STAGES = 8
-# the live conductor's elastic pipeline chunk: an engine's step budget, which engines do not report when they
-# register, so the GPU default (engine/config.py DEFAULT_STEP_TOKENS; not imported: it pulls in torch). It
-# only shapes the predicted fill and drain; measured group times calibrate the lead's model either way.
+# the live conductor's elastic pipeline chunk until a single prefill instance registers with its step budget
+# (RegisterRequest.step_tokens): the GPU default (engine/config.py DEFAULT_STEP_TOKENS; not imported: it pulls
+# in torch). It shapes the predicted fill and drain; measured group times calibrate the lead's model either way.
 LIVE_ELASTIC_CHUNK_TOKENS = 2048
 
 
@@ -377,12 +377,24 @@ class ElasticMooncakedPolicy(MooncakedPolicy):
         return ElasticDecision(**fields, helpers=helpers, chunk_tokens=chunk, alone_prefill_s=alone_s)
 
 
+@dataclass
+class LiveElasticShape:
+    """The live conductor's elastic pipeline: the model's layers in whole-layer shares as the engines split
+    them (``num_layers``; 0: exact shares), chunks of the engines' step budget (``chunk_tokens``, set from
+    their registrations), and no hop cost: the conductor measures no link between prefill instances, and a
+    chunk's hidden states (hidden size x dtype per token, a few KiB) are left out rather than guessed; the
+    lead's measured group times calibrate its model (``SchedulerState``)."""
+
+    num_layers: int = 0
+    chunk_tokens: int = LIVE_ELASTIC_CHUNK_TOKENS
+
+    def __call__(self, stages: int) -> PipelineShape:
+        return PipelineShape.even(stages, self.chunk_tokens, num_layers=self.num_layers)
+
+
 def live_elastic_shape(stages: int) -> PipelineShape:
-    """The live conductor's elastic pipeline: even layer shares (the engine's ``stage.split_layers`` differs
-    by at most one layer), ``LIVE_ELASTIC_CHUNK_TOKENS`` chunks, and no hop cost: the conductor measures no
-    link between prefill instances, and a chunk's hidden states (hidden size x dtype per token, a few KiB) are
-    left out rather than guessed; the lead's measured group times calibrate its model (``SchedulerState``)."""
-    return PipelineShape.even(stages, LIVE_ELASTIC_CHUNK_TOKENS)
+    """``LiveElasticShape()`` with exact shares and the default chunk (a policy made without a model)."""
+    return LiveElasticShape()(stages)
 
 
 POLICIES: dict[str, type[Policy]] = {c.name: c for c in (RandomPolicy, RoundRobinPolicy, LoadBalancePolicy,

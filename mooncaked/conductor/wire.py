@@ -65,7 +65,7 @@ def load_to_proto(load: InstanceLoad) -> common_pb2.InstanceLoad:
 def registration_from_proto(r: conductor_pb2.RegisterRequest) -> Registration:
     member = pipeline_from_proto(r.pipeline) if r.HasField("pipeline") else None
     return Registration(r.name, ROLE_NAMES.get(r.role, ""), r.address, r.model_id, layout_from_proto(r.layout),
-                        endpoint_from_proto(r.transfer), member)
+                        endpoint_from_proto(r.transfer), member, r.step_tokens)
 
 
 def pipeline_from_proto(p: conductor_pb2.PipelineMember) -> PipelineMember:

@@ -15,7 +15,7 @@ from mooncaked.conductor import errors, metrics
 from mooncaked.conductor.core import Conductor
 from mooncaked.conductor.early_rejection import SLO
 from mooncaked.conductor.grpc_engine import GrpcEngineLink
-from mooncaked.conductor.policies import make_policy
+from mooncaked.conductor.policies import DEFAULT_MAX_STAGES, LiveElasticShape, make_policy
 from mooncaked.conductor.prompt_tokenizer import PromptTokenizer
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.conductor.status import ConductorFacts, StoreProbe
@@ -119,7 +119,10 @@ async def run_conductor_role(cfg) -> int:
     slo = None
     if cfg.ttft_slo_s is not None or cfg.tbt_slo_s is not None:
         slo = SLO(cfg.ttft_slo_s or float("inf"), cfg.tbt_slo_s or float("inf"))
-    policy = make_policy(cfg.policy, slo=slo, kvcache_balancing_threshold=cfg.kvcache_balancing_threshold)
+    # an elastic pipeline splits the model's layers (at most one stage a layer), in the engines' step budget
+    shape = LiveElasticShape(num_layers=model_config.num_layers)
+    policy = make_policy(cfg.policy, slo=slo, kvcache_balancing_threshold=cfg.kvcache_balancing_threshold,
+                         shape_for=shape, max_stages=min(DEFAULT_MAX_STAGES, model_config.num_layers))
     tokenizer = Tokenizer(model_dir)
     prompts = PromptTokenizer.for_model(tokenizer, model_dir, model_config.max_position_embeddings)
     core = Conductor(tokenizer, model_config, model_dir.name, cfg.block_size, cfg.hash_seed, cfg.heartbeat_interval_s,

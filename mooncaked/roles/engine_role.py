@@ -87,7 +87,8 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     def register() -> conductor_pb2.RegisterRequest:
         return conductor_pb2.RegisterRequest(name=cfg.name, role=_ROLES[role], address=address,
                                              model_id=service.model_id, layout=layout_to_proto(service.layout),
-                                             transfer=service.endpoint(), pipeline=member)
+                                             transfer=service.endpoint(), pipeline=member,
+                                             step_tokens=engine.config.step_tokens)
 
     # every conductor listed (--conductor A,B) gets our registration, heartbeats and every KV event
     heartbeats = InstanceHeartbeat(worker)

@@ -172,7 +172,7 @@ class StatusReply(_message.Message):
     def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., model_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., conductor: _Optional[_Union[ConductorInfo, _Mapping]] = ..., store: _Optional[_Union[StoreInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "role", "address", "model_id", "layout", "transfer", "pipeline")
+    __slots__ = ("name", "role", "address", "model_id", "layout", "transfer", "pipeline", "step_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class RegisterRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     address: str
@@ -187,7 +188,8 @@ class RegisterRequest(_message.Message):
     layout: _common_pb2.KVLayout
     transfer: _common_pb2.TransferEndpoint
     pipeline: PipelineMember
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ...) -> None: ...
+    step_tokens: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., model_id: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KVLayout, _Mapping]] = ..., transfer: _Optional[_Union[_common_pb2.TransferEndpoint, _Mapping]] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ..., step_tokens: _Optional[int] = ...) -> None: ...
 
 class PipelineMember(_message.Message):
     __slots__ = ("group", "stage", "stages", "chunk_tokens")
