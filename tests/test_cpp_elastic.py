@@ -240,3 +240,29 @@ def test_the_engine_refuses_bad_layer_ranges_and_steps_one_range_at_a_time(folde
         engine.release("share")
     finally:
         engine.close()
+
+
+async def test_an_elastic_lead_carries_out_its_plans_pull_and_its_helpers_read_the_pulled_blocks(folder):
+    """The plan says: pull the prefix from peer p2 (which computed it alone) and lend p1. The lead reads
+    the blocks out of p2's KV cache, p1 reads its layers of them from the lead, and the group computes
+    only the rest: one engine's tokens, the pull reported."""
+    ref = Engine.from_pretrained(folder, block_size=BLOCK, kv_cache_bytes=KV_BYTES)
+    cluster, links, decode = await _cluster(folder, 3)
+    try:
+        lead, helper, holder = links
+        prompt, = random_prompts([37], seed=13)
+        await _run(holder, decode, "warm", prompt[:33], 2, [])  # p2 holds the first 32 tokens' blocks
+        before = [link.worker.engine.stats().prefill_tokens_computed for link in (lead, helper)]
+        plan = PrefillPlan(reuse_blocks=0, pull_from="p2", pull_blocks=8, pull_address="inproc:p2",
+                           helpers=["inproc:p1"])
+        params = _params(6)
+        target = await decode.worker.reserve("r", prompt, params)
+        first = await lead.worker.prefill("r", prompt, params, target, plan)
+        got = [t async for chunk in decode.worker.decode("r", first) for t in chunk.token_ids]
+        assert got == ref.generate(prompt, params)[0].token_ids
+        assert (first.cached_tokens, first.pulled_blocks, first.pulled_from, first.local_blocks) == (32, 8, "p2", 0)
+        after = [link.worker.engine.stats().prefill_tokens_computed for link in (lead, helper)]
+        assert [a - b for a, b in zip(after, before)] == [5, 5]
+    finally:
+        ref.close()
+        await cluster.close()

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import replay as replay_tool  # noqa: E402
 import simulate as simulate_tool  # noqa: E402
-from mooncaked.conductor.policies import POLICY_NAMES  # noqa: E402
+from mooncaked.conductor.policies import ELASTIC_POLICY, POLICY_NAMES  # noqa: E402
 from mooncaked.config import POLICIES as LIVE_POLICIES  # noqa: E402
 from sim.trace import DEFAULT_TRACE  # noqa: E402
 
@@ -65,6 +65,9 @@ log = logging.getLogger("replay_vs_sim")
 
 # the policies both sides know: the simulator's and the conductor's --policy choices
 BOTH_POLICIES: tuple[str, ...] = tuple(p for p in POLICY_NAMES if p in LIVE_POLICIES)
+# ... and, on request (not by default), elastic CPP: idle prefill instances lent to a long prompt
+CHOICES: tuple[str, ...] = (*BOTH_POLICIES, ELASTIC_POLICY)
+STEP_TOKENS = 256  # the live engines' step budget (the CPU default), and so an elastic pipeline's chunk
 START_TIMEOUT_S = 240.0
 STATUS_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 30.0
@@ -263,16 +266,18 @@ def replay_live(url: str, s: Slice, seed: int = 0) -> dict[str, Any]:
 
 
 def simulate_slice(profile: Path, s: Slice, policies: list[str], prefills: int = 2, decodes: int = 2,
-                   seed: int = 0, shared_cores: float | None = None, threads: int = 1) -> dict[str, dict[str, Any]]:
+                   seed: int = 0, shared_cores: float | None = None, threads: int = 1,
+                   step_tokens: int = STEP_TOKENS) -> dict[str, dict[str, Any]]:
     """``tools/simulate.py --profile PROFILE --no-early-rejection --heterogeneity 0`` on the slice: {policy:
     its JSON figures}. The live instances run one model on one machine: no speed heterogeneity; with
-    ``shared_cores`` they share that many cores, ``threads`` torch threads each, as they do live."""
+    ``shared_cores`` they share that many cores, ``threads`` torch threads each, as they do live; an
+    elastic pipeline's chunk is the live engines' step budget (``step_tokens``)."""
     args = simulate_tool.parser().parse_args([])  # every flag at its default, then this slice's
     vars(args).update(trace=s.trace, max_requests=s.max_requests, time_scale=s.time_scale,
                       length_scale=s.length_scale, prefill=prefills, decode=decodes, profile=str(profile),
                       policy=policies, ttft_slo=30.0, tbt_slo=0.1, no_early_rejection=True, noise=0.05,
                       heterogeneity=0.0, seed=seed, seeds=1, shared_cores=shared_cores,
-                      instance_threads=threads)
+                      instance_threads=threads, cpp_chunk_tokens=step_tokens)
     return {r.policy: r.as_json() for r in simulate_tool.run(args)}
 
 
@@ -370,9 +375,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     s = Slice(trace, args.max_requests, args.time_scale, args.length_scale, args.request_timeout)
     cores = args.sim_cores if args.sim_cores is not None else float(os.cpu_count() or 1)
     threads = args.threads or int(os.cpu_count() or 1)  # torch's default: a thread per core
-    sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed, cores or None, threads)
+    sim = simulate_slice(profile, s, args.policy, args.prefill, args.decode, args.seed, cores or None, threads,
+                         args.step_tokens)
     env = cluster_env(model, args.block_size, args.kv_cache_bytes, args.heartbeat_interval, args.threads,
                       args.log_level)
+    env["MOONCAKED_MAX_NUM_BATCHED_TOKENS"] = str(args.step_tokens)
     rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in args.policy}
     for r in range(args.rounds):
         # every other round in reverse order: a machine that slows down or speeds up over the run then
@@ -396,7 +403,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cmp["config"] = {"trace": str(args.trace), "skip": args.skip, "threads": args.threads, "sim_shared_cores": cores,
                      "max_requests": s.max_requests, "time_scale": s.time_scale,
                      "length_scale": s.length_scale, "prefill": args.prefill, "decode": args.decode,
-                     "cluster": args.cluster, "rounds": args.rounds, "model": args.model, "block_size": args.block_size,
+                     "cluster": args.cluster, "rounds": args.rounds, "step_tokens": args.step_tokens,
+                     "model": args.model, "block_size": args.block_size,
                      "kv_cache_bytes": args.kv_cache_bytes, "profile": str(profile), "wall_s": time.perf_counter() - t0,
                      "logs": str(work)}
     return cmp
@@ -416,8 +424,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="simulated mean TTFTs closer than this (relative) are a tie, left out of the order check")
     ap.add_argument("--time-scale", type=float, default=0.2, help="arrival time x this, as replay/simulate take it")
     ap.add_argument("--length-scale", type=float, default=0.01, help="lengths and the 512-token block x this")
-    ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=BOTH_POLICIES, metavar="NAME",
-                    help=f"policies (default: all of {', '.join(BOTH_POLICIES)})")
+    ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=CHOICES, metavar="NAME",
+                    help=f"policies (default: all of {', '.join(BOTH_POLICIES)}; also {ELASTIC_POLICY})")
+    ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                    help="the live engines' step budget (max_num_batched_tokens), and the simulated elastic "
+                         "pipeline's chunk")
     ap.add_argument("--cluster", choices=("all", "shared"), default=None,
                     help="'all': a fresh `mooncaked --role all` per policy (default); 'shared': one set of engines, "
                          "one conductor per policy side by side (default with --quick)")
@@ -448,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cluster = args.cluster or "all"
     if args.skip < 0 or (args.threads is not None and args.threads < 1):
         ap.error("--skip must be >= 0 and --threads >= 1")
-    if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
+    if args.rounds < 1 or args.step_tokens < 1:
+        ap.error("--rounds and --step-tokens must be >= 1")
     if args.max_requests < 1 or args.prefill < 1 or args.decode < 1 or args.length_scale <= 0 or args.time_scale < 0:
         ap.error("--max-requests, --prefill, --decode and --length-scale must be positive, --time-scale >= 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from mooncaked.conductor.engine_link import (CANCELLED, DEADLINE, EXHAUSTED, INVALID, NOT_FOUND, PRECONDITION,
-                                             UNAVAILABLE, EngineError, EngineLink, PrefillResult, Reservation,
-                                             StageOpen, StageOpened, TransferEndpoint)
+                                             UNAVAILABLE, EngineError, EngineLink, PrefillPlan, PrefillResult,
+                                             Reservation, StageOpen, StageOpened, TransferEndpoint)
 from mooncaked.engine import Output, RequestError, SamplingParams
 from mooncaked.engine.llm_engine import EngineStoppedError
 from mooncaked.engine.stage import PipelineStage
@@ -48,6 +48,7 @@ from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.peer_pull import read_ops
 from mooncaked.instance.prefill import first_token_result
+from mooncaked.instance.prefix_fetch import Prepared
 from mooncaked.instance.write_fence import WriteFence
 from mooncaked.tasks import spawn
 from mooncaked.transfer import TransferError, TransferOp
@@ -83,6 +84,7 @@ class StageJob:
     stage: PipelineStage  # this stage's place for this request (a static group's, or an elastic split's)
     local: list[int]  # own cached run (or the pool's longer one), held until the group's start is agreed
     from_pool: int = 0  # of ``local``, blocks read from the pool (not written back again)
+    prepared: Prepared | None = None  # an elastic lead: how its plan's reuse and pulls went
     kept: int = 0  # leading blocks the group started after
     next_link: EngineLink | None = None
     next_opened: StageOpened | None = None
@@ -156,7 +158,7 @@ class Pipeline:
 
     # -- the calls ----------------------------------------------------------------------------
     async def head(self, rid: str, prompt: list[int], params: SamplingParams, target: Reservation,
-                   stages: list[str]) -> PrefillResult:
+                   stages: list[str], plan: PrefillPlan | None = None) -> PrefillResult:
         """The first stage's prefill: open the group, compute, and answer with the last stage's token.
         On a whole-model engine, ``stages`` are the helpers the conductor lent to this prompt."""
         if self.elastic:
@@ -179,7 +181,7 @@ class Pipeline:
             opening = StageOpen(rid, prompt, params, target, list(stages))
             if self.elastic:
                 opening.elastic = (0, len(stages) + 1)
-            job = await self._open(opening)
+            job = await self._open(opening, plan)
             try:
                 cached = job.next_opened.cached_blocks if job.next_opened is not None else len(job.local)
                 await self._start(job, min(len(job.local), cached) * self.worker.layout.block_size)
@@ -269,7 +271,7 @@ class Pipeline:
         return True
 
     # -- the parts ------------------------------------------------------------------------------
-    async def _open(self, opening: StageOpen) -> StageJob:
+    async def _open(self, opening: StageOpen, plan: PrefillPlan | None = None) -> StageJob:
         w = self.worker
         w.check("prefill")
         self._loop = asyncio.get_running_loop()
@@ -314,8 +316,10 @@ class Pipeline:
                 job.next_link = link
                 onward = StageOpen(rid, prompt, opening.sampling, target, list(opening.downstream[1:]))
                 if job.elastic:
-                    if not stage.index:  # the lead: its own cached run first, so the helpers can read it
-                        job.local = await self.engine.call(self._take_run, prompt)
+                    if not stage.index:  # the lead: its run first (the plan's reuse and pulls), for the helpers
+                        job.prepared = await w.prefiller.fetch.prepare(prompt, plan)
+                        job.local = job.prepared.imported or await self.engine.call(self._take_run, prompt)
+                        job.prepared.imported = []  # held as ``job.local`` now
                         job.lead_cached = list(job.local)
                     onward.elastic = (stage.index + 1, stage.count)
                     onward.lead_cached = job.lead_cached
@@ -456,6 +460,11 @@ class Pipeline:
             later.cached_tokens = job.start_tokens or 0
             later.computed_tokens = len(job.prompt) - later.cached_tokens
             later.local_blocks = later.cached_tokens // bs
+            if job.prepared is not None:  # what the plan's pulls brought (the group may start before them)
+                later.pulled_blocks = min(job.prepared.pulled_blocks, max(0, job.kept - job.prepared.local_blocks))
+                later.pulled_from = job.prepared.pulled_from if later.pulled_blocks else ""
+                later.local_blocks -= later.pulled_blocks
+                later.deviations = dict(job.prepared.deviations)
         return later
 
     def _account(self, job: StageJob) -> None:

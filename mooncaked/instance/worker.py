@@ -150,7 +150,7 @@ class Worker:
             if self.pipeline is None:
                 raise EngineError(PRECONDITION, f"{self.name} is a {self.role} instance; it leads no prefill")
             self.check("prefill")
-            return await self.pipeline.head(request_id, prompt, params, target, helpers)
+            return await self.pipeline.head(request_id, prompt, params, target, helpers, plan)
         return await self.prefiller.prefill(request_id, prompt, params, target, plan)
 
     def _stage(self) -> Pipeline:
