@@ -34,6 +34,8 @@ KINDS = (UNAVAILABLE, DEADLINE, EXHAUSTED, CANCELLED, OUT_OF_RANGE, ABORTED, NOT
          INTERNAL)
 
 POOL = "pool"  # PrefillPlan.pull_from / PrefillResult.pulled_from: the Mooncake Store
+# a PrefillResult.deviations reason: the elastic prefill's helpers failed, the lead computed the prompt alone
+ELASTIC_ALONE = "elastic_alone"
 
 # instance states as engines report them
 STARTING, SERVING, DRAINING, DEAD = "starting", "serving", "draining", "dead"

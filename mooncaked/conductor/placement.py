@@ -17,9 +17,9 @@ import uuid
 from collections.abc import Callable
 
 from mooncaked.conductor.decode_lease import DecodeLease, abort_on, end_attempt
-from mooncaked.conductor.engine_link import (ABORTED, CANCELLED, DEAD, DEADLINE, EXHAUSTED, INVALID, NOT_FOUND,
-                                             OUT_OF_RANGE, PRECONDITION, UNAVAILABLE, EngineError, PrefillPlan,
-                                             PrefillResult, Reservation)
+from mooncaked.conductor.engine_link import (ABORTED, CANCELLED, DEAD, DEADLINE, ELASTIC_ALONE, EXHAUSTED, INVALID,
+                                             NOT_FOUND, OUT_OF_RANGE, PRECONDITION, UNAVAILABLE, EngineError,
+                                             PrefillPlan, PrefillResult, Reservation)
 from mooncaked.conductor.errors import DeadlineExceeded, NoInstance, OutOfRange, PeerFailed, Rejected
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.readiness import ReadyGate
@@ -133,6 +133,8 @@ class Placement:
                     result = await self._prefill(prefill, eid, ids, params, reserved,
                                                  deadline.client_left(PREFILL_TIMEOUT_S), plan)
                     done = True
+                    if result.deviations.get(ELASTIC_ALONE):  # its helpers failed: the lead's time alone
+                        self.scheduler.pipelines.pop(rid, None)
                     self.scheduler.prefill_done(rid, prefill.name, result.computed_tokens, result.cached_tokens,
                                                 result.compute_s or None)
                     if result.push_bytes and result.push_s > 0:

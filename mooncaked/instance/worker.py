@@ -16,11 +16,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
-from mooncaked.conductor.engine_link import (DEAD, DRAINING, INTERNAL, PRECONDITION, SERVING, UNAVAILABLE,
-                                             AbortResult, EngineError, EngineLink, Loan, PrefillPlan, PrefillResult,
-                                             Reservation, StageOpen, StageOpened, TokenChunk, TransferEndpoint)
+from mooncaked.conductor.engine_link import (DEAD, DRAINING, ELASTIC_ALONE, EXHAUSTED, INTERNAL, PRECONDITION,
+                                             SERVING, UNAVAILABLE, AbortResult, EngineError, EngineLink, Loan,
+                                             PrefillPlan, PrefillResult, Reservation, StageOpen, StageOpened,
+                                             TokenChunk, TransferEndpoint)
 from mooncaked.engine import Engine, EngineStats, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.instance import metrics
 from mooncaked.instance.decode import RESERVATION_TTL_S, Decoder
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.instance.lending import Lender
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 # Abort on a prefill instance answers once the request's KV pushes have stopped, or after this long
 ABORT_WAIT_S = 10.0
+# an elastic prefill that failed so (a helper busy, draining, unreachable or dead) is computed alone instead
+HELPER_FAILED = (UNAVAILABLE, EXHAUSTED, PRECONDITION)
 # ids of aborted requests remembered, so a Reserve or Prefill that arrives after its Abort is refused
 ABORTED_REMEMBERED = 4096
 
@@ -150,7 +154,19 @@ class Worker:
             if self.pipeline is None:
                 raise EngineError(PRECONDITION, f"{self.name} is a {self.role} instance; it leads no prefill")
             self.check("prefill")
-            return await self.pipeline.head(request_id, prompt, params, target, helpers, plan)
+            try:
+                return await self.pipeline.head(request_id, prompt, params, target, helpers, plan)
+            except EngineError as e:
+                if e.kind not in HELPER_FAILED or self.was_aborted(request_id):
+                    raise
+                # a helper was busy, draining or failed: the pipeline has ended on every stage (no push in
+                # flight), so this instance computes the prompt alone, as the plan would have without helpers
+                log.warning("%s: the elastic prefill of %s failed (%s); computing it alone", self.name,
+                            request_id, e)
+                result = await self.prefiller.prefill(request_id, prompt, params, target, plan)
+                result.deviations[ELASTIC_ALONE] = -(-len(prompt) // self.layout.block_size)
+                metrics.deviated({ELASTIC_ALONE: result.deviations[ELASTIC_ALONE]})
+                return result
         return await self.prefiller.prefill(request_id, prompt, params, target, plan)
 
     def _stage(self) -> Pipeline:
