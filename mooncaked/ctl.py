@@ -225,7 +225,8 @@ def status_dict(reply: conductor_pb2.StatusReply) -> dict[str, Any]:
              "state": _STATES.get(i.state, "?"), "model_id": i.model_id, "uptime_s": i.uptime_s,
              "last_heartbeat_age_s": i.last_heartbeat_age_s, "load": _fields(i.load),
              "pipeline": ({"group": i.pipeline.group, "stage": i.pipeline.stage, "stages": i.pipeline.stages}
-                          if i.HasField("pipeline") else None)}
+                          if i.HasField("pipeline") else None),
+             "lent_to": i.lent_to or None}
             for i in reply.instances
         ],
         "groups": _groups(reply),
@@ -278,7 +279,8 @@ def status_lines(reply: conductor_pb2.StatusReply) -> list[str]:
         hit = ld.prefix_hit_blocks / ld.prefix_query_blocks if ld.prefix_query_blocks else 0.0
         lines.append(f"{i.name:<30} {_ROLES.get(i.role, '?'):<8} {i.address:<22} {_STATES.get(i.state, '?'):<9} "
                      f"{ld.running_requests:>4} {ld.waiting_requests:>4} {ld.queued_prefill_tokens:>7} "
-                     f"{kv:>6.1%} {hit:>6.1%} {_uptime(i.uptime_s):>7}")
+                     f"{kv:>6.1%} {hit:>6.1%} {_uptime(i.uptime_s):>7}"
+                     + (f"  lent to {i.lent_to[:12]}" if i.lent_to else ""))
     return lines
 
 

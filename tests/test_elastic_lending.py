@@ -21,8 +21,11 @@ from mooncaked.conductor.pipeline_cost import PipelineShape, pipeline_prefill_s
 from mooncaked.conductor.policies import ELASTIC_POLICY, LIVE_ELASTIC_CHUNK_TOKENS, POLICY_NAMES, make_policy
 from mooncaked.conductor.registry import DEAD, Instance, Registry
 from mooncaked.conductor.router import Route, SchedulerState
+from mooncaked.conductor.status import ClusterStatus, ConductorInfo, instance_infos
 from mooncaked.conductor.views import ClusterView, Decision, ElasticDecision, InstanceView, RequestView
+from mooncaked.conductor.wire import status_to_proto
 from mooncaked.config import add_config_args, load_config
+from mooncaked.ctl import status_lines
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.kv_cache import KVLayout
 from tiny_models import make_tiny_model
@@ -180,6 +183,11 @@ async def test_helpers_are_lent_until_the_leads_prefill_ends(folder, reference):
         assert [i.name for i in reg.available("prefill")] == [n for n in ("p0", "p1", "p2") if n not in lent]
         state = c.conductor.scheduler
         assert all(state.backlog(n).seconds(state.clock()) > 0 for n in lent)  # booked for the pipeline
+        # the operator's screen says so: the status on the wire and mooncakectl's line
+        reply = status_to_proto(ClusterStatus(instance_infos(reg), "m", 0.0, ConductorInfo("a", "h", "p")))
+        shown = {i.name: i.lent_to for i in reply.instances}
+        assert all(shown[n] for n in lent) and not shown["p0"]
+        assert sum("lent to" in line for line in status_lines(reply)) == len(lent)
         lead.go.set()
         tokens = await asyncio.wait_for(gen, 120)
         assert lead.plans[0].helpers == [f"inproc:{n}" for n in lent]

@@ -70,6 +70,7 @@ class InstanceInfo:
     last_heartbeat_age_s: float
     model_id: str
     pipeline: PipelineMember | None = None  # a CPP group's stage
+    lent_to: str = ""  # elastic CPP: the request whose lead borrowed it now ("": none)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def conductor_info(facts: ConductorFacts, state: str) -> ConductorInfo:
 def instance_infos(registry: Registry) -> list[InstanceInfo]:
     now = time.monotonic()
     return [InstanceInfo(i.name, i.role, i.address, i.shown_state, i.load, now - i.registered_at,
-                         now - i.last_heartbeat, i.model_id, i.pipeline)
+                         now - i.last_heartbeat, i.model_id, i.pipeline, i.lent_to)
             for i in sorted(registry.instances.values(), key=lambda i: (i.role, i.name))]
 
 

@@ -98,7 +98,8 @@ def _instance(i: InstanceInfo) -> conductor_pb2.InstanceInfo:
                                       address=i.address, state=STATE_ENUMS.get(i.state, 0),
                                       load=load_to_proto(i.load), uptime_s=i.uptime_s,
                                       last_heartbeat_age_s=i.last_heartbeat_age_s, model_id=i.model_id,
-                                      pipeline=pipeline_to_proto(i.pipeline) if i.pipeline is not None else None)
+                                      pipeline=pipeline_to_proto(i.pipeline) if i.pipeline is not None else None,
+                                      lent_to=i.lent_to)
 
 
 def _conductor(c: ConductorInfo) -> conductor_pb2.ConductorInfo:

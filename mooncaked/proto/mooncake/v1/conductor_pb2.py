@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mooncaked.proto.mooncake.v1 import common_pb2 as mooncake_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmooncake/v1/conductor.proto\x12\x0bmooncake.v1\x1a\x18mooncake/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.mooncake.v1.ChatMessage\"\xd7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.mooncake.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.mooncake.v1.ChatMessagesH\x00\x12\x0b\n\x03raw\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParamsB\x07\n\x05input\"\x82\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x18\n\x10prefill_instance\x18\x07 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12.\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x18.mooncake.v1.TopLogprobs\"+\n\rStatusRequest\x12\x1a\n\x12without_pool_stats\x18\x01 \x01(\x08\"\x93\x02\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12-\n\x08pipeline\x18\t \x01(\x0b\x32\x1b.mooncake.v1.PipelineMember\"\xc5\x01\n\rConductorInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0chttp_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x12\n\nttft_slo_s\x18\x04 \x01(\x01\x12\x11\n\ttbt_slo_s\x18\x05 \x01(\x01\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\r\x12\x12\n\nrejections\x18\x07 \x01(\x04\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0fready_timeout_s\x18\t \x01(\x01\"\\\n\x07TierUse\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x01(\r\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\"\xd7\x01\n\tStoreInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x10\n\x08segments\x18\x05 \x01(\r\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12#\n\x05tiers\x18\x07 \x03(\x0b\x32\x14.mooncake.v1.TierUse\x12\x0c\n\x04hits\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x0f\n\x07\x63lients\x18\x0b \x01(\r\"\xb5\x01\n\x0bStatusReply\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.mooncake.v1.InstanceInfo\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12-\n\tconductor\x18\x04 \x01(\x0b\x32\x1a.mooncake.v1.ConductorInfo\x12%\n\x05store\x18\x05 \x01(\x0b\x32\x16.mooncake.v1.StoreInfo\"\xff\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12%\n\x06layout\x18\x05 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12/\n\x08transfer\x18\x06 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12-\n\x08pipeline\x18\x07 \x01(\x0b\x32\x1b.mooncake.v1.PipelineMember\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\r\"T\n\x0ePipelineMember\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06stages\x18\x03 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\"-\n\rRegisterReply\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"F\n\x0c\x44\x65\x63odeSample\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xcd\x01\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12$\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x14.mooncake.v1.KVEvent\x12\x31\n\x0e\x64\x65\x63ode_samples\x18\x05 \x03(\x0b\x32\x19.mooncake.v1.DecodeSample\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"!\n\x11\x44\x65registerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\".\n\x0fSetDrainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"H\n\rSetDrainReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12\x0c\n\x04name\x18\x02 \x01(\t2\xb4\x03\n\tConductor\x12\x46\n\x08Generate\x12\x1c.mooncake.v1.GenerateRequest\x1a\x1a.mooncake.v1.GenerateChunk0\x01\x12>\n\x06Status\x12\x1a.mooncake.v1.StatusRequest\x1a\x18.mooncake.v1.StatusReply\x12\x44\n\x08Register\x12\x1c.mooncake.v1.RegisterRequest\x1a\x1a.mooncake.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.mooncake.v1.HeartbeatRequest\x1a\x1b.mooncake.v1.HeartbeatReply\x12J\n\nDeregister\x12\x1e.mooncake.v1.DeregisterRequest\x1a\x1c.mooncake.v1.DeregisterReply\x12\x44\n\x08SetDrain\x12\x1c.mooncake.v1.SetDrainRequest\x1a\x1a.mooncake.v1.SetDrainReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmooncake/v1/conductor.proto\x12\x0bmooncake.v1\x1a\x18mooncake/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.mooncake.v1.ChatMessage\"\xd7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.mooncake.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x04 \x01(\x0b\x32\x19.mooncake.v1.ChatMessagesH\x00\x12\x0b\n\x03raw\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.mooncake.v1.SamplingParamsB\x07\n\x05input\"\x82\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\x18\n\x10prefill_instance\x18\x07 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x08 \x01(\t\x12\x12\n\nrequest_id\x18\t \x01(\t\x12.\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x18.mooncake.v1.TopLogprobs\"+\n\rStatusRequest\x12\x1a\n\x12without_pool_stats\x18\x01 \x01(\x08\"\xa4\x02\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12\'\n\x04load\x18\x05 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12\x10\n\x08uptime_s\x18\x06 \x01(\x01\x12\x1c\n\x14last_heartbeat_age_s\x18\x07 \x01(\x01\x12\x10\n\x08model_id\x18\x08 \x01(\t\x12-\n\x08pipeline\x18\t \x01(\x0b\x32\x1b.mooncake.v1.PipelineMember\x12\x0f\n\x07lent_to\x18\n \x01(\t\"\xc5\x01\n\rConductorInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0chttp_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x12\n\nttft_slo_s\x18\x04 \x01(\x01\x12\x11\n\ttbt_slo_s\x18\x05 \x01(\x01\x12\x1a\n\x12requests_in_flight\x18\x06 \x01(\r\x12\x12\n\nrejections\x18\x07 \x01(\x04\x12\r\n\x05state\x18\x08 \x01(\t\x12\x17\n\x0fready_timeout_s\x18\t \x01(\x01\"\\\n\x07TierUse\x12\x0e\n\x06medium\x18\x01 \x01(\t\x12\x10\n\x08segments\x18\x02 \x01(\r\x12\x0c\n\x04used\x18\x03 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x0f\n\x07objects\x18\x05 \x01(\x04\"\xd7\x01\n\tStoreInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x10\n\x08segments\x18\x05 \x01(\r\x12\x0f\n\x07objects\x18\x06 \x01(\x04\x12#\n\x05tiers\x18\x07 \x03(\x0b\x32\x14.mooncake.v1.TierUse\x12\x0c\n\x04hits\x18\x08 \x01(\x04\x12\x0e\n\x06misses\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x0f\n\x07\x63lients\x18\x0b \x01(\r\"\xb5\x01\n\x0bStatusReply\x12,\n\tinstances\x18\x01 \x03(\x0b\x32\x19.mooncake.v1.InstanceInfo\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12-\n\tconductor\x18\x04 \x01(\x0b\x32\x1a.mooncake.v1.ConductorInfo\x12%\n\x05store\x18\x05 \x01(\x0b\x32\x16.mooncake.v1.StoreInfo\"\xff\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1f\n\x04role\x18\x02 \x01(\x0e\x32\x11.mooncake.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12%\n\x06layout\x18\x05 \x01(\x0b\x32\x15.mooncake.v1.KVLayout\x12/\n\x08transfer\x18\x06 \x01(\x0b\x32\x1d.mooncake.v1.TransferEndpoint\x12-\n\x08pipeline\x18\x07 \x01(\x0b\x32\x1b.mooncake.v1.PipelineMember\x12\x13\n\x0bstep_tokens\x18\x08 \x01(\r\"T\n\x0ePipelineMember\x12\r\n\x05group\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x0e\n\x06stages\x18\x03 \x01(\r\x12\x14\n\x0c\x63hunk_tokens\x18\x04 \x01(\r\"-\n\rRegisterReply\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"F\n\x0c\x44\x65\x63odeSample\x12\r\n\x05\x62\x61tch\x18\x01 \x01(\r\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xcd\x01\n\x10HeartbeatRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.mooncake.v1.InstanceLoad\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12$\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x14.mooncake.v1.KVEvent\x12\x31\n\x0e\x64\x65\x63ode_samples\x18\x05 \x03(\x0b\x32\x19.mooncake.v1.DecodeSample\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"!\n\x11\x44\x65registerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\" \n\x0f\x44\x65registerReply\x12\r\n\x05known\x18\x01 \x01(\x08\".\n\x0fSetDrainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"H\n\rSetDrainReply\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.mooncake.v1.InstanceState\x12\x0c\n\x04name\x18\x02 \x01(\t2\xb4\x03\n\tConductor\x12\x46\n\x08Generate\x12\x1c.mooncake.v1.GenerateRequest\x1a\x1a.mooncake.v1.GenerateChunk0\x01\x12>\n\x06Status\x12\x1a.mooncake.v1.StatusRequest\x1a\x18.mooncake.v1.StatusReply\x12\x44\n\x08Register\x12\x1c.mooncake.v1.RegisterRequest\x1a\x1a.mooncake.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.mooncake.v1.HeartbeatRequest\x1a\x1b.mooncake.v1.HeartbeatReply\x12J\n\nDeregister\x12\x1e.mooncake.v1.DeregisterRequest\x1a\x1c.mooncake.v1.DeregisterReply\x12\x44\n\x08SetDrain\x12\x1c.mooncake.v1.SetDrainRequest\x1a\x1a.mooncake.v1.SetDrainReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,35 +45,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=680
   _globals['_STATUSREQUEST']._serialized_end=723
   _globals['_INSTANCEINFO']._serialized_start=726
-  _globals['_INSTANCEINFO']._serialized_end=1001
-  _globals['_CONDUCTORINFO']._serialized_start=1004
-  _globals['_CONDUCTORINFO']._serialized_end=1201
-  _globals['_TIERUSE']._serialized_start=1203
-  _globals['_TIERUSE']._serialized_end=1295
-  _globals['_STOREINFO']._serialized_start=1298
-  _globals['_STOREINFO']._serialized_end=1513
-  _globals['_STATUSREPLY']._serialized_start=1516
-  _globals['_STATUSREPLY']._serialized_end=1697
-  _globals['_REGISTERREQUEST']._serialized_start=1700
-  _globals['_REGISTERREQUEST']._serialized_end=1955
-  _globals['_PIPELINEMEMBER']._serialized_start=1957
-  _globals['_PIPELINEMEMBER']._serialized_end=2041
-  _globals['_REGISTERREPLY']._serialized_start=2043
-  _globals['_REGISTERREPLY']._serialized_end=2088
-  _globals['_DECODESAMPLE']._serialized_start=2090
-  _globals['_DECODESAMPLE']._serialized_end=2160
-  _globals['_HEARTBEATREQUEST']._serialized_start=2163
-  _globals['_HEARTBEATREQUEST']._serialized_end=2368
-  _globals['_HEARTBEATREPLY']._serialized_start=2370
-  _globals['_HEARTBEATREPLY']._serialized_end=2401
-  _globals['_DEREGISTERREQUEST']._serialized_start=2403
-  _globals['_DEREGISTERREQUEST']._serialized_end=2436
-  _globals['_DEREGISTERREPLY']._serialized_start=2438
-  _globals['_DEREGISTERREPLY']._serialized_end=2470
-  _globals['_SETDRAINREQUEST']._serialized_start=2472
-  _globals['_SETDRAINREQUEST']._serialized_end=2518
-  _globals['_SETDRAINREPLY']._serialized_start=2520
-  _globals['_SETDRAINREPLY']._serialized_end=2592
-  _globals['_CONDUCTOR']._serialized_start=2595
-  _globals['_CONDUCTOR']._serialized_end=3031
+  _globals['_INSTANCEINFO']._serialized_end=1018
+  _globals['_CONDUCTORINFO']._serialized_start=1021
+  _globals['_CONDUCTORINFO']._serialized_end=1218
+  _globals['_TIERUSE']._serialized_start=1220
+  _globals['_TIERUSE']._serialized_end=1312
+  _globals['_STOREINFO']._serialized_start=1315
+  _globals['_STOREINFO']._serialized_end=1530
+  _globals['_STATUSREPLY']._serialized_start=1533
+  _globals['_STATUSREPLY']._serialized_end=1714
+  _globals['_REGISTERREQUEST']._serialized_start=1717
+  _globals['_REGISTERREQUEST']._serialized_end=1972
+  _globals['_PIPELINEMEMBER']._serialized_start=1974
+  _globals['_PIPELINEMEMBER']._serialized_end=2058
+  _globals['_REGISTERREPLY']._serialized_start=2060
+  _globals['_REGISTERREPLY']._serialized_end=2105
+  _globals['_DECODESAMPLE']._serialized_start=2107
+  _globals['_DECODESAMPLE']._serialized_end=2177
+  _globals['_HEARTBEATREQUEST']._serialized_start=2180
+  _globals['_HEARTBEATREQUEST']._serialized_end=2385
+  _globals['_HEARTBEATREPLY']._serialized_start=2387
+  _globals['_HEARTBEATREPLY']._serialized_end=2418
+  _globals['_DEREGISTERREQUEST']._serialized_start=2420
+  _globals['_DEREGISTERREQUEST']._serialized_end=2453
+  _globals['_DEREGISTERREPLY']._serialized_start=2455
+  _globals['_DEREGISTERREPLY']._serialized_end=2487
+  _globals['_SETDRAINREQUEST']._serialized_start=2489
+  _globals['_SETDRAINREQUEST']._serialized_end=2535
+  _globals['_SETDRAINREPLY']._serialized_start=2537
+  _globals['_SETDRAINREPLY']._serialized_end=2609
+  _globals['_CONDUCTOR']._serialized_start=2612
+  _globals['_CONDUCTOR']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

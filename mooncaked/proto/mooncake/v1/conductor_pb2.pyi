@@ -74,7 +74,7 @@ class StatusRequest(_message.Message):
     def __init__(self, without_pool_stats: _Optional[bool] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("name", "role", "address", "state", "load", "uptime_s", "last_heartbeat_age_s", "model_id", "pipeline")
+    __slots__ = ("name", "role", "address", "state", "load", "uptime_s", "last_heartbeat_age_s", "model_id", "pipeline", "lent_to")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class InstanceInfo(_message.Message):
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    LENT_TO_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     address: str
@@ -93,7 +94,8 @@ class InstanceInfo(_message.Message):
     last_heartbeat_age_s: float
     model_id: str
     pipeline: PipelineMember
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., uptime_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., model_id: _Optional[str] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ...) -> None: ...
+    lent_to: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., uptime_s: _Optional[float] = ..., last_heartbeat_age_s: _Optional[float] = ..., model_id: _Optional[str] = ..., pipeline: _Optional[_Union[PipelineMember, _Mapping]] = ..., lent_to: _Optional[str] = ...) -> None: ...
 
 class ConductorInfo(_message.Message):
     __slots__ = ("address", "http_address", "policy", "ttft_slo_s", "tbt_slo_s", "requests_in_flight", "rejections", "state", "ready_timeout_s")
