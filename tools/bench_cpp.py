@@ -9,7 +9,13 @@ and checks the first tokens are the same. The bubble fraction is read off the st
 counters (mooncaked_cpp_stage_busy/bubble_seconds); the ideal is T_single/N plus one chunk's fill and
 drain, (N-1)/N of one chunk's share of T_single.
 
+With --elastic the prefill side is N whole-model prefill instances (each with the chunk as its step
+budget) under a conductor with --policy mooncaked_elastic, which lends the idle ones to the prompt: an
+elastic group formed for the request, not a static one (ttft_elastic_s; elastic_stages_seen: the
+stages whose counters moved, so a run where the policy did not lend says so).
+
     python tools/bench_cpp.py [--quick] [--json] [--model PATH] [--prompt-len N] [--stages 2 3] [--chunk N]
+                              [--elastic]
 
 --json prints one JSON object: the first --stages figure's fields at the top level
 (prompt_tokens, ttft_single_s, ttft_cpp_s, ratio, same_tokens, stages), every stage count under "runs".
@@ -22,10 +28,12 @@ import json
 import re
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
 from bench_pd import MiniCluster, _free_port, _median, _prompts
+from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -35,9 +43,44 @@ def _stage_flags(stages: int, chunk: int, metrics: list[int]) -> list[list[str]]
              "--metrics", f"127.0.0.1:{metrics[k]}"] for k in range(stages)]
 
 
+def _elastic_flags(instances: int, chunk: int, metrics: list[int]) -> list[list[str]]:
+    return [["--max-num-batched-tokens", str(chunk), "--metrics", f"127.0.0.1:{metrics[k]}"] for k in range(instances)]
+
+
+def _warm_each(cluster: MiniCluster, instances: int, prompts: list[list[int]]) -> None:
+    """These prompts on each prefill instance alone (the others drained), so the conductor has fitted every
+    instance's prefill time over more than one length (slope, not only a constant) before the policy
+    compares a lead alone with a pipeline of it and its would-be helpers."""
+    names = ["prefill"] + [f"prefill-{i}" for i in range(1, instances)]
+    with cluster.security.sync_channel(cluster.conductor) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+
+        def drain(name: str, on: bool) -> None:
+            stub.SetDrain(conductor_pb2.SetDrainRequest(name=name, drain=on), timeout=10)
+
+        for name in names:
+            for other in names:
+                drain(other, other != name)
+            for prompt in prompts:
+                cluster.ttft(prompt)
+        for name in names:
+            drain(name, False)
+    time.sleep(2.0)  # a few heartbeats (0.5 s): the conductor's view of each instance's queue is current again
+
+
 def _counter(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} ([0-9.e+-]+)$", text, re.M))
+
+
+def _stages_seen(ports: list[int]) -> list[str]:
+    """The "K/N" stage labels whose busy counters are above zero on these instances."""
+    seen = set()
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        seen |= {m for m, v in re.findall(r'^mooncaked_cpp_stage_busy_seconds_total{stage="([^"]+)"} ([0-9.e+-]+)$',
+                                            text, re.M) if float(v) > 0}
+    return sorted(seen)
 
 
 def run(model: str, log_dir: Path, prompts: list[list[int]], prefills: list[list[str]]) -> tuple[list[float], list[int]]:
@@ -62,6 +105,8 @@ def main() -> int:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--chunk", type=int, default=512, help="--cpp-chunk-tokens of the stages")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--elastic", action="store_true",
+                    help="whole-model prefill instances under --policy mooncaked_elastic instead of static groups")
     ap.add_argument("--quick", action="store_true", help="a 1,536-token prompt, 2 stages (< 1 min)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -73,15 +118,21 @@ def main() -> int:
     prompts = _prompts(args.repeats, args.prompt_len, 0)
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        single, single_first = run(model, Path(tmp), prompts, [[]])
+        # elastic: the single instance has the same step budget as the instances it is compared with
+        single_flags = [["--max-num-batched-tokens", str(args.chunk)]] if args.elastic else [[]]
+        single, single_first = run(model, Path(tmp), prompts, single_flags)
         t_single = _median(single)
         for n in args.stages:
             metrics = [_free_port() for _ in range(n)]
-            flags = _stage_flags(n, args.chunk, metrics)
-            cluster = MiniCluster(model, Path(tmp), ONE_THREAD, flags)
+            flags = (_elastic_flags if args.elastic else _stage_flags)(n, args.chunk, metrics)
+            env = {**ONE_THREAD, "MOONCAKED_POLICY": "mooncaked_elastic"} if args.elastic else ONE_THREAD
+            cluster = MiniCluster(model, Path(tmp), env, flags)
             try:
                 cluster.wait_ready(600)
-                cluster.ttft(prompts[0][:64])
+                if args.elastic:
+                    _warm_each(cluster, n, [prompts[0][-128:], prompts[0][-768:]])
+                else:
+                    cluster.ttft(prompts[0][:64])
                 busy0 = [_counter(m, "mooncaked_cpp_stage_busy_seconds") for m in metrics]
                 bubble0 = [_counter(m, "mooncaked_cpp_stage_bubble_seconds") for m in metrics]
                 times, firsts = [], []
@@ -91,6 +142,7 @@ def main() -> int:
                     firsts.append(first.token_ids[0])
                 busy = sum(_counter(m, "mooncaked_cpp_stage_busy_seconds") for m in metrics) - sum(busy0)
                 bubble = sum(_counter(m, "mooncaked_cpp_stage_bubble_seconds") for m in metrics) - sum(bubble0)
+                seen = _stages_seen(metrics)
             finally:
                 cluster.stop()
             t_cpp = _median(times)
@@ -101,12 +153,14 @@ def main() -> int:
                 "ideal_s": round(ideal, 3), "ideal_ratio": round(ideal / t_single, 3),
                 "bubble_fraction": round(bubble / (busy + bubble), 3) if busy + bubble else None,
                 "same_tokens": firsts == single_first,
+                **({"elastic_stages_seen": seen} if args.elastic else {}),
             }
     main_run = runs[str(args.stages[0])]
     result = {"prompt_tokens": args.prompt_len, "ttft_single_s": round(t_single, 3),
               "ttft_cpp_s": main_run["ttft_cpp_s"], "ratio": main_run["ratio"],
               "same_tokens": all(r["same_tokens"] for r in runs.values()), "stages": args.stages[0],
-              "chunk_tokens": args.chunk, "model": Path(model).name, "torch_threads_per_process": 1, "runs": runs}
+              "chunk_tokens": args.chunk, "model": Path(model).name, "torch_threads_per_process": 1,
+              "elastic": args.elastic, "runs": runs}
     if args.json:
         print(json.dumps(result))
     else:

@@ -122,6 +122,8 @@ class Placement:
                 if route.helpers and (plan is None or not plan.helpers
                                       or self.scheduler.backlog(prefill.name).seconds(time.monotonic()) > 0):
                     # a helper left, or work reached the lead while the decode reserved: no pipeline
+                    log.debug("%s runs alone on %s: a helper left or the lead got work meanwhile", rid,
+                              route.prefill.name)
                     route = self._alone(route, rid)
                     plan = route.plan(self.registry.find)
                 if plan is not None and not self.sees_pool():
@@ -179,6 +181,8 @@ class Placement:
         that cannot be (a retry, a helper taken or gone meanwhile), the route without them."""
         if not alone and self.registry.lend(route.helpers, rid):
             return route
+        log.debug("%s runs alone on %s: its helpers %s could not be lent%s", rid, route.prefill.name,
+                  ",".join(route.helpers), " (a retry)" if alone else "")
         return self._alone(route, rid)
 
     def _alone(self, route: Route, rid: str) -> Route:
