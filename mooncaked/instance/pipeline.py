@@ -63,8 +63,11 @@ OUTBOX_REGION = "cpp-outbox"  # hidden states staged here for the next stage
 DEFAULT_SLOTS = 2  # prompts a stage pipelines at once (each slot holds one prompt's hidden states)
 MAX_SLOT_BYTES = 256 << 20  # one slot's hidden states at most (a longer prompt is refused, naming the limit)
 CALL_TIMEOUT_S = 10.0  # one control call to the next stage
-INPUT_IDLE_S = 10.0  # a stage whose previous stage sent nothing for this long gives the request up
-FINISH_WAIT_S = 60.0  # a computed request nobody asks the result of is given up after this long
+# a stage whose previous stage sent nothing for this long gives the request up: well above one chunk's compute on
+# the previous stage (a 512-token chunk of half the default model's layers on one CPU thread took ~10 s, and a
+# 10 s bound made an elastic helper give up mid-prompt); a stage that dies is noticed from its failed writes
+INPUT_IDLE_S = 60.0
+FINISH_WAIT_S = 120.0  # a computed request nobody asks the result of is given up after this long
 STAGE_TIMEOUT_S = 600.0  # the whole of one prompt on a stage
 PUSH_TIMEOUT_S = 60.0
 END_WAIT_S = PUSH_TIMEOUT_S + CALL_TIMEOUT_S  # a second caller of _end waits this long for the first
