@@ -271,11 +271,8 @@ class Engine:
             seq = self._held.get(request_id)
             if seq is None or not seq.block_table:
                 return 0
-            bs = self.config.block_size
-            tokens = seq.all_token_ids
-            for j, chain in enumerate(seq.block_hashes[: len(seq.block_table)]):
-                self.block_manager.commit_full_block(seq.block_table[j], chain, tuple(tokens[j * bs:(j + 1) * bs]))
-            seq.unkept_blocks = 0
+            seq.unkept_blocks, seq.block_hashes = 0, []  # commit every full block again, this time published
+            self.scheduler.commit_full_blocks(seq)
             return len(seq.block_hashes)
 
     def set_stage_input(self, request_id: str, ready_tokens: int) -> bool:

@@ -18,8 +18,11 @@ the head's answer is UNAVAILABLE, so the conductor retries elsewhere.
 Elastic groups (a whole-model prefill instance): the conductor's plan lends idle instances to one
 prompt (``PrefillPlan.helpers``). The instance it is routed to leads: it is stage 0 of that request's
 even layer split, each helper the next stage (``StageOpen.elastic``), and the engine runs only the
-request's layers (``Engine.add_request(layers=)``). A helper first pulls the lead's cached run of the
-prompt (a peer pull, as a plan's), so the group starts where the lead's cache ends. The lead holds
+request's layers (``Engine.add_request(layers=)``). The lead first carries out its plan (own run, pool
+or peer pulls); each helper reads its layers of the run the lead then holds straight out of the lead's
+KV region (by block id: the lead holds them until the request ends), so the group starts where the
+lead's run ends. A helper that fails leaves the lead to compute the prompt alone (``Worker.prefill``).
+The lead holds
 all the prompt's blocks from its first chunk and names them with its first input; every helper
 writes its layers of the new tokens into them as it computes (``copy``, beside its push to the
 decode), so once the chain finished, the lead publishes the prompt's blocks whole to its prefix
@@ -43,7 +46,6 @@ from mooncaked.conductor.engine_link import (CANCELLED, DEADLINE, EXHAUSTED, INV
 from mooncaked.engine import Output, RequestError, SamplingParams
 from mooncaked.engine.llm_engine import EngineStoppedError
 from mooncaked.engine.stage import PipelineStage
-from mooncaked.hashing import block_hashes
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.peer_pull import read_ops
@@ -312,6 +314,12 @@ class Pipeline:
                 raise EngineError(CANCELLED if fence.gone else UNAVAILABLE, fence.why_closed())
             if fence.active:
                 job.keeper = spawn(fence.keep(), f"fence-{rid}")
+            lead = job.elastic and not stage.index
+            if lead:  # its run before the helpers open: the plan's reuse and pulls, which they read from here
+                job.prepared = await w.prefiller.fetch.prepare(prompt, plan)
+                job.local = job.prepared.imported or await self.engine.call(self._take_run, prompt)
+                job.prepared.imported = []  # held as ``job.local`` now
+                job.lead_cached = list(job.local)
             if opening.downstream:
                 link = w.peers(opening.downstream[0]) if w.peers is not None else None
                 if link is None:
@@ -319,21 +327,16 @@ class Pipeline:
                 job.next_link = link
                 onward = StageOpen(rid, prompt, opening.sampling, target, list(opening.downstream[1:]))
                 if job.elastic:
-                    if not stage.index:  # the lead: its run first (the plan's reuse and pulls), for the helpers
-                        job.prepared = await w.prefiller.fetch.prepare(prompt, plan)
-                        job.local = job.prepared.imported or await self.engine.call(self._take_run, prompt)
-                        job.prepared.imported = []  # held as ``job.local`` now
-                        job.lead_cached = list(job.local)
                     onward.elastic = (stage.index + 1, stage.count)
                     onward.lead_cached = job.lead_cached
-                    onward.lead_endpoint = opening.lead_endpoint if stage.index else w.endpoint()
+                    onward.lead_endpoint = w.endpoint() if lead else opening.lead_endpoint
                 job.next_opened = await self._call_next(job, link.stage_open(onward, CALL_TIMEOUT_S))
                 if job.next_opened.row_bytes != self.row_bytes:
                     raise EngineError(PRECONDITION, f"the next stage's hidden states are {job.next_opened.row_bytes} "
                                                     f"bytes a token, here {self.row_bytes}")
-            if not (job.elastic and not stage.index):  # (an elastic lead took its run above)
+            if not lead:
                 job.local = await self.engine.call(self._take_run, prompt)
-            if job.elastic and stage.index:  # the lead's cached run, read out of its KV cache
+            if job.elastic and not lead:  # a helper: the lead's run, read out of its KV cache
                 job.local += await self._pull_lead_run(job)
             elif w.pool is not None and not job.elastic:  # the pool's run of this stage's layers, when longer
                 pooled = await w.pool.fetch_prefix(prompt)
