@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "MOONCAKED_"
-POLICIES = ("random", "round_robin", "load_balance", "cache_aware_local", "mooncake", "mooncaked",
-            "mooncaked_elastic")
+POLICIES = ("random", "round_robin", "load_balance", "cache_aware_local", "mooncake", "mooncaked_static",
+            "mooncaked")
 ROLES: tuple[str, ...] = ("conductor", "prefill", "decode", "store", "all")
 TRANSFER_BACKENDS: tuple[str, ...] = ("tcp", "shm", "auto", "rdma")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
@@ -64,10 +64,10 @@ POLICY_HELP: dict[str, str] = {
     "mooncake": "the Mooncake paper's Algorithm 1: also counts prefixes held elsewhere in the pool and pulls "
                 "them when longer than its own by --kvcache-balancing-threshold; SLO-aware decode choice and "
                 "early rejection when an SLO is set",
-    "mooncaked": "as mooncake, but pulls a prefix exactly when pulling is predicted faster than recomputing "
-                 "it (no threshold to tune)",
-    "mooncaked_elastic": "as mooncaked, and a long prompt may pipeline over idle single prefill instances, "
-                         "lent to it until its prefill ends (elastic CPP; the prefill instances must support it)",
+    "mooncaked_static": "as mooncake, but pulls a prefix exactly when pulling is predicted faster than "
+                        "recomputing it (no threshold to tune), and counts prefixes still being computed",
+    "mooncaked": "ours: as mooncaked_static, and a long prompt may pipeline over idle single prefill instances, "
+                 "lent to it until its prefill ends (elastic CPP)",
 }
 KV_PUSH_HELP: dict[str, str] = {
     "layerwise": "push each layer's KV to decode as soon as that layer is computed (overlaps transfer "

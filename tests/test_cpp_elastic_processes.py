@@ -1,4 +1,4 @@
-"""Elastic CPP end to end with real processes: a conductor with ``--policy mooncaked_elastic`` and three
+"""Elastic CPP end to end with real processes: a conductor with ``--policy mooncaked`` and three
 whole-model prefill instances lends the two idle ones to a long prompt. The tokens equal one whole
 engine's, every prefill instance computed the prompt (its share of the layers), and the lead alone
 holds the prompt whole afterwards: a follow-up sharing its prefix is served from its cache (on the
@@ -38,7 +38,7 @@ def test_the_elastic_policy_lends_idle_instances_to_a_long_prompt(tmp_path):
     ref = Engine.from_pretrained(folder, block_size=4, kv_cache_bytes=8 << 20)
     c = Cluster(folder, tmp_path)
     try:
-        c.start("conductor", "conductor", "--policy", "mooncaked_elastic", "--log-level", "DEBUG")
+        c.start("conductor", "conductor", "--policy", "mooncaked", "--log-level", "DEBUG")
         names = ["p1", "p2", "p3"]
         for name in names:
             c.start(name, "prefill", "--max-num-batched-tokens", str(STEP))

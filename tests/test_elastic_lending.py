@@ -1,4 +1,4 @@
-"""Elastic CPP, the conductor's side: ``--policy mooncaked_elastic`` lends idle prefill instances to a long
+"""Elastic CPP, the conductor's side: ``--policy mooncaked`` lends idle prefill instances to a long
 prompt, the registry keeps a lent one out of routing until the lead's prefill ends (however it ends), its
 backlog is booked for the pipeline's predicted time, and the plan names it by its Engine address.
 
@@ -76,7 +76,7 @@ def test_elastic_lends_nothing_when_the_other_instances_are_busy_or_the_prompt_i
     busy = {f"p{i}": 1.0 for i in range(1, 4)}  # only p0 is idle
     d = make_policy(ELASTIC_POLICY).decide(req, _view(busy))
     assert isinstance(d, Decision) and not getattr(d, "helpers", ())
-    assert d == make_policy("mooncaked").decide(req, _view(busy))
+    assert d == make_policy("mooncaked_static").decide(req, _view(busy))
     # a prompt of one chunk gains nothing from a pipeline: it runs alone
     short = make_policy(ELASTIC_POLICY).decide(_request(LIVE_ELASTIC_CHUNK_TOKENS), _view({}))
     assert not getattr(short, "helpers", ())

@@ -48,7 +48,7 @@ async def _drain(c: Cluster, prompt: list[int], n: int = 2) -> list[int]:
 
 
 async def test_routed_blocks_are_pending_until_the_heartbeats_report_them_cached(folder):
-    c = Cluster(folder, make_policy("mooncaked"))
+    c = Cluster(folder, make_policy("mooncaked_static"))
     try:
         p1 = await c.serve("p1", "prefill", cls=HeldPrefill)  # both cold: the tie goes to p1
         await c.serve("p2", "prefill")
@@ -72,7 +72,7 @@ async def test_routed_blocks_are_pending_until_the_heartbeats_report_them_cached
 
 
 async def test_a_failed_prefill_leaves_nothing_pending_and_the_retry_counts_where_it_ran(folder):
-    c = Cluster(folder, make_policy("mooncaked"))
+    c = Cluster(folder, make_policy("mooncaked_static"))
     try:
         c.join("p1", "prefill", Unreachable())  # gone: the prefill there fails, the retry goes to p2
         await c.serve("p2", "prefill")
@@ -103,7 +103,7 @@ def test_the_ledger_settles_only_after_enough_heartbeats_and_forgets_a_restarted
     p.drop("b")
     assert not p.counts and not p.requests
 
-    state = SchedulerState(make_policy("mooncaked"))
+    state = SchedulerState(make_policy("mooncaked_static"))
     state.pending["p1"] = PendingBlocks()
     state.pending["p1"].add("r", (5, 6))
     assert state.pending_run("p1", [5, 6, 7]) == 2 and state.pending_run("p2", [5]) == 0

@@ -168,7 +168,7 @@ async def test_a_lender_that_disappears_mid_plan_leaves_the_blocks_computed_and_
 
 @pytest.mark.parametrize("policy, window_s, hot", [
     ("mooncake", DEMAND_WINDOW_S, True),  # Algorithm 1's balancing path: every pull it makes replicates
-    ("mooncaked", DEMAND_WINDOW_S, True),  # the first request asked for the prefix within the window: hot
+    ("mooncaked_static", DEMAND_WINDOW_S, True),  # the first request asked for the prefix within the window: hot
     ("mooncaked", 0.0, False),  # it asked longer ago than the window (0 s here): pulled, not hot
 ])
 async def test_a_hot_prefix_is_replicated_into_the_pool_with_a_soft_pin_and_a_cold_one_is_not(

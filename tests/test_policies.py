@@ -78,7 +78,7 @@ def test_cold_cluster_cost_aware_policies_prefer_the_fast_instance():
         n, p = random.Random(_).randint(1000, 30000), 0
         slow.model.prefill.observe(n, p, 2 * PROFILE.prefill_s(n, p))
     c = cluster([slow, prefill("p1")])
-    for name in ("cache_aware_local", "mooncake", "mooncaked"):
+    for name in ("cache_aware_local", "mooncake", "mooncaked_static"):
         assert make_policy(name).decide(request(), c).prefill == "p1"
 
 
@@ -103,7 +103,7 @@ def hot_spot(holder_queue_s: float, demand: int = HOT_MIN_DEMAND) -> ClusterView
                     prefill("busy", pool=40, queued_s=30.0)], source="holder", demand=demand)
 
 
-@pytest.mark.parametrize("name", ["mooncake", "mooncaked"])
+@pytest.mark.parametrize("name", ["mooncake", "mooncaked_static", "mooncaked"])
 def test_hot_prefix_on_loaded_holder_is_replicated_elsewhere(name):
     """The holder is 20 s behind: pulling its 40 blocks to an idle instance wins, and they stay there."""
     d = make_policy(name).decide(request(), hot_spot(20.0))
@@ -115,7 +115,7 @@ def test_hot_prefix_on_loaded_holder_is_replicated_elsewhere(name):
 
 def test_mooncaked_pulls_a_prefix_too_few_asked_for_lately_but_does_not_replicate_it():
     """The same pull, but fewer other requests held the prefix lately: used for this request, not kept."""
-    d = make_policy("mooncaked").decide(request(), hot_spot(20.0, demand=HOT_MIN_DEMAND - 1))
+    d = make_policy("mooncaked_static").decide(request(), hot_spot(20.0, demand=HOT_MIN_DEMAND - 1))
     assert d.prefill == "idle" and d.reuse_blocks == 40 and d.pull_from == "holder"
     assert not d.replicate
 
@@ -126,7 +126,7 @@ def test_mooncake_replicates_every_pull_its_balancing_threshold_allows_whatever_
     assert d.pull_from == "holder" and d.replicate
 
 
-@pytest.mark.parametrize("name", ["cache_aware_local", "mooncake", "mooncaked"])
+@pytest.mark.parametrize("name", ["cache_aware_local", "mooncake", "mooncaked_static", "mooncaked"])
 def test_hot_prefix_on_idle_holder_stays_there(name):
     d = make_policy(name).decide(request(), hot_spot(0.0))
     assert d.prefill == "holder" and d.reuse_blocks == 40 and d.local_blocks == 40
@@ -158,15 +158,15 @@ def test_threshold_one_pulls_any_longer_prefix_and_below_one_is_refused():
 def test_mooncaked_pulls_by_predicted_time_not_ratio():
     """Fast link: pull even 2 extra blocks. Link slower than recomputing: never pull, whatever the ratio."""
     fast = cluster([prefill("p0", own=10, pool=12)], source="elsewhere")
-    assert make_policy("mooncaked").decide(request(), fast).reuse_blocks == 12
+    assert make_policy("mooncaked_static").decide(request(), fast).reuse_blocks == 12
     from dataclasses import replace
     crawl = replace(PROFILE, remote_bps=1e8)  # 0.1 GB/s: a 160 MiB block takes 1.7 s, recomputing it ~0.1 s
     slow = cluster([prefill("p0", own=10, pool=40, profile=crawl)], source="elsewhere")
-    assert make_policy("mooncaked").decide(request(), slow).reuse_blocks == 10
+    assert make_policy("mooncaked_static").decide(request(), slow).reuse_blocks == 10
     assert make_policy("mooncake").decide(request(), slow).reuse_blocks == 40  # the ratio rule pulls anyway
 
 
-# -- a prefix still being computed (mooncaked) ------------------------------------------------------------
+# -- a prefix still being computed (mooncaked_static; ours inherits it) ---------------------------------------------------------
 def in_flight(holder_queue_s: float) -> ClusterView:
     """p0 is computing the prompt's 40-block prefix for an earlier request, ``holder_queue_s`` from done."""
     return cluster([prefill("p0", queued_s=holder_queue_s, pending=40), prefill("p1")])
@@ -175,7 +175,7 @@ def in_flight(holder_queue_s: float) -> ClusterView:
 def test_mooncaked_queues_behind_a_prefix_in_flight_when_that_beats_recomputing():
     """Recomputing 40 blocks (~20k tokens) takes ~3.4 s; waiting 1 s for p0 to hold them wins."""
     recompute = PROFILE.prefill_s(40 * BS + 100, 0)
-    d = make_policy("mooncaked").decide(request(), in_flight(1.0))
+    d = make_policy("mooncaked_static").decide(request(), in_flight(1.0))
     assert d.prefill == "p0" and d.reuse_blocks == 40 and d.local_blocks == 40
     assert d.pull_from is None and not d.replicate
     assert d.predicted_ttft_s < 0.5 * recompute
@@ -185,7 +185,7 @@ def test_mooncaked_queues_behind_a_prefix_in_flight_when_that_beats_recomputing(
 
 
 def test_mooncaked_recomputes_rather_than_wait_long_for_a_prefix_in_flight():
-    d = make_policy("mooncaked").decide(request(), in_flight(10.0))
+    d = make_policy("mooncaked_static").decide(request(), in_flight(10.0))
     assert d.prefill == "p1" and d.reuse_blocks == 0
 
 
@@ -194,7 +194,7 @@ def heavy_batch(n: int, context: int = 40_000, remaining: int = 10_000) -> tuple
     return tuple(SeqLoad(context, remaining) for _ in range(n))
 
 
-@pytest.mark.parametrize("name", ["mooncake", "mooncaked"])
+@pytest.mark.parametrize("name", ["mooncake", "mooncaked_static", "mooncaked"])
 def test_overloaded_decode_pool_is_rejected_early(name):
     """Every decode instance would step slower than the TBT SLO: reject before any prefill."""
     c = cluster([prefill("p0")], [decode("d0", heavy_batch(30)), decode("d1", heavy_batch(30))])

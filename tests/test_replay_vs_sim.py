@@ -31,7 +31,7 @@ def test_live_hit_rates_agree_with_the_simulator_for_every_policy(tiny_model_fac
     _, folder = tiny_model_factory("llama")
     profile = measure_profile(str(folder), tmp_path / "profile.json", BLOCK, KV_BYTES)
     policies = list(BOTH_POLICIES)
-    assert {"random", "load_balance", "mooncake", "mooncaked"} <= set(policies)
+    assert {"random", "load_balance", "mooncake", "mooncaked_static"} <= set(policies)
     sim = simulate_slice(profile, SLICE, policies)
     live = {}
     with shared_cluster(cluster_env(str(folder), BLOCK, KV_BYTES, 0.2), tmp_path, policies) as urls:
@@ -70,12 +70,12 @@ def test_the_order_check_leaves_out_pairs_the_simulator_cannot_separate():
         return {"sim": {"mean_ttft_s": sim}, "live": {"mean_ttft_s": live}}
 
     rows = {"random": row(5.0, 9.0), "round_robin": row(3.0, 10.0), "mooncake": row(2.0, 4.1),
-            "mooncaked": row(2.05, 4.0)}
+            "mooncaked_static": row(2.05, 4.0)}
     pairs = pair_agreement(rows, 0.10)
-    assert pairs["tied_in_sim"] == [["mooncake", "mooncaked"]]  # 2.5 % apart: the live order is not judged
+    assert pairs["tied_in_sim"] == [["mooncake", "mooncaked_static"]]  # 2.5 % apart: the live order is not judged
     assert pairs["disagree"] == [["random", "round_robin"]]  # the simulator says round_robin is faster
     assert len(pairs["agree"]) == 4
-    assert pair_agreement(rows, 0.0)["disagree"] == [["random", "round_robin"], ["mooncake", "mooncaked"]]
+    assert pair_agreement(rows, 0.0)["disagree"] == [["random", "round_robin"], ["mooncake", "mooncaked_static"]]
 
 
 def test_rounds_are_averaged_and_each_kept():

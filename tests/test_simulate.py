@@ -49,9 +49,9 @@ def test_every_policy_runs_and_the_json_has_the_schema(simulate, trace_slice, tm
     table = capsys.readouterr().out
     report = json.loads(report_path.read_text())
     policies = report["policies"]
-    from mooncaked.conductor.policies import POLICY_NAMES
+    from mooncaked.conductor.policies import ELASTIC_POLICY, POLICY_NAMES
 
-    assert set(policies) == set(POLICY_NAMES)
+    assert set(policies) == {*POLICY_NAMES, ELASTIC_POLICY}
     for name, row in policies.items():
         assert name in table
         for key in SCHEMA:
@@ -144,7 +144,7 @@ def test_the_simulator_counts_prefix_demand_as_the_live_router_does(simulate):
 
     prefix = tuple(range(20))
     trace = [TraceRequest(i, 10.0 * i, 21 * prof.block_size, 2, prefix + (100 + i,)) for i in range(3)]
-    sim = Simulation(trace, SimConfig(prefill=2, decode=1, profile=prof), make_policy("mooncaked"))
+    sim = Simulation(trace, SimConfig(prefill=2, decode=1, profile=prof), make_policy("mooncaked_static"))
     sim.run()
     follow = TraceRequest(3, 40.0, 21 * prof.block_size, 2, prefix + (200,))
     view = sim._cluster(40.0, follow)
@@ -153,18 +153,18 @@ def test_the_simulator_counts_prefix_demand_as_the_live_router_does(simulate):
     assert sim._cluster(later, follow).pool_demand == 0  # all asked longer ago than the window
 
 
-def test_mooncaked_beats_mooncake_on_the_held_out_half(simulate, tmp_path, capsys):
+def test_mooncaked_static_beats_mooncake_on_the_held_out_half(simulate, tmp_path, capsys):
     """Beyond Algorithm 1, in simulation: the second half of the bundled trace, 16 prefill + 16 decode,
-    the built-in profile, seeds 0-3. mooncaked has no parameter to tune; its one addition that
+    the built-in profile, seeds 0-3. mooncaked_static (ours without lending) has no parameter to tune; its one addition that
     counts here (prefixes still being computed) was measured on the first half.
     Simulated time is deterministic, so the ratio is exact for these seeds (0.97 when written)."""
     lines = BUNDLED_TRACE.read_text().splitlines(keepends=True)
     half = tmp_path / "second_half.jsonl"
     half.write_text("".join(lines[len(lines) // 2:]))
-    rc = simulate.main(["--trace", str(half), "--policy", "mooncake", "mooncaked", "--seeds", "4", "--json", "-"])
+    rc = simulate.main(["--trace", str(half), "--policy", "mooncake", "mooncaked_static", "--seeds", "4", "--json", "-"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["policies"]
-    ours, theirs = rows["mooncaked"], rows["mooncake"]
+    ours, theirs = rows["mooncaked_static"], rows["mooncake"]
     assert ours["mean_ttft_s"] < 0.99 * theirs["mean_ttft_s"], (ours["mean_ttft_s"], theirs["mean_ttft_s"])
     assert ours["slo_attainment"] >= theirs["slo_attainment"]
     assert ours["prefill_tokens_computed"] < theirs["prefill_tokens_computed"]

@@ -10,7 +10,7 @@ counters (mooncaked_cpp_stage_busy/bubble_seconds); the ideal is T_single/N plus
 drain, (N-1)/N of one chunk's share of T_single.
 
 With --elastic the prefill side is N whole-model prefill instances (each with the chunk as its step
-budget) under a conductor with --policy mooncaked_elastic, which lends the idle ones to the prompt: an
+budget) under a conductor with --policy mooncaked, which lends the idle ones to the prompt: an
 elastic group formed for the request, not a static one (ttft_elastic_s; elastic_stages_seen: the
 stages whose counters moved, so a run where the policy did not lend says so).
 
@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512, help="--cpp-chunk-tokens of the stages")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--elastic", action="store_true",
-                    help="whole-model prefill instances under --policy mooncaked_elastic instead of static groups")
+                    help="whole-model prefill instances under --policy mooncaked instead of static groups")
     ap.add_argument("--quick", action="store_true", help="a 1,536-token prompt, 2 stages (< 1 min)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -125,7 +125,7 @@ def main() -> int:
         for n in args.stages:
             metrics = [_free_port() for _ in range(n)]
             flags = (_elastic_flags if args.elastic else _stage_flags)(n, args.chunk, metrics)
-            env = {**ONE_THREAD, "MOONCAKED_POLICY": "mooncaked_elastic"} if args.elastic else ONE_THREAD
+            env = {**ONE_THREAD, "MOONCAKED_POLICY": "mooncaked"} if args.elastic else ONE_THREAD
             cluster = MiniCluster(model, Path(tmp), env, flags)
             try:
                 cluster.wait_ready(600)

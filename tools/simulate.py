@@ -21,11 +21,11 @@ do; without it each instance has a machine of its own.
 
 Chunked pipeline parallel (CPP) groups: ``--pipeline-groups G --pipeline-stages S`` make G
 groups of S of the ``--prefill`` machines, each one prefill unit (``tools/sim/pipeline.py``);
-``--policy mooncaked_elastic`` pipelines a long prompt over idle single instances instead
+``--policy mooncaked`` (ours) pipelines a long prompt over idle single instances instead
 (the conductor's ``ElasticMooncakedPolicy`` with the profile's pipeline shape, ``tools/sim/elastic.py``).
 
     python tools/simulate.py --trace tools/traces/synthetic_trace.jsonl --prefill 16 --decode 16
-    python tools/simulate.py --seeds 4 --pipeline-groups 2 --pipeline-stages 4 --policy mooncake mooncaked
+    python tools/simulate.py --seeds 4 --pipeline-groups 2 --pipeline-stages 4 --policy mooncake mooncaked_static
     python tools/simulate.py --quick --json -            # one JSON object on stdout
     python tools/simulate.py --profile engine.json --prefill 2 --decode 2 --max-requests 120 \
         --time-scale 0.2 --length-scale 0.01             # the slice tools/replay.py sends
@@ -124,10 +124,10 @@ def parser() -> argparse.ArgumentParser:
                          "(busy instances share them; default: each instance on a machine of its own)")
     ap.add_argument("--instance-threads", type=int, default=1,
                     help="with --shared-cores: torch threads per instance (as the profile was measured)")
-    ap.add_argument("--policy", nargs="+", default=list(POLICY_NAMES), choices=(*POLICY_NAMES, ELASTIC_POLICY),
-                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}; "
-                                         f"{ELASTIC_POLICY}: pipelines a prompt over idle single instances "
-                                         "lent to it)")
+    ap.add_argument("--policy", nargs="+", default=None, choices=(*POLICY_NAMES, ELASTIC_POLICY),
+                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}, and "
+                                         f"{ELASTIC_POLICY}, which pipelines a prompt over idle single instances "
+                                         "lent to it, unless --shared-cores is given)")
     ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
                     help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--time-scale must be >= 0 and --length-scale > 0")
     if args.quick and args.max_requests is None:
         args.max_requests = QUICK_REQUESTS
+    if args.policy is None:  # ours pipelines, which the shared-cores model does not cover
+        args.policy = [*POLICY_NAMES, *(() if args.shared_cores is not None else (ELASTIC_POLICY,))]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -12,14 +12,15 @@ One object per policy, chosen by name; the live conductor and the simulator call
   pulled when the best remote match beats the local one by ``kvcache_balancing_threshold``
   (a ratio of lengths), copying them to the chosen instance (hot-spot replication), with
   SLO-aware decode choice and prediction-based early rejection;
-- ``mooncaked`` (ours): as ``mooncake``, but it also counts prefixes still being computed
+- ``mooncaked_static``: as ``mooncake``, but it also counts prefixes still being computed
   (queueing behind one can beat recomputing it), each instance pulls exactly when
   pulling is predicted faster than recomputing (no length-ratio heuristic to tune), a pulled
   prefix is replicated only when it is hot (other requests held it lately), and a chunked
   pipeline group (several machines as one unit) is used only when it earns its machines
   (``pick_fewest_machines``);
-- ``mooncaked_elastic``: ``mooncaked``, and a long prompt may pipeline over idle single
-  instances lent to it for that prompt (elastic CPP, ``ElasticMooncakedPolicy``).
+- ``mooncaked`` (ours): ``mooncaked_static``, and a long prompt may pipeline over idle single
+  instances lent to it for that prompt (elastic CPP, ``ElasticMooncakedPolicy``). Where no single
+  instance is idle (or there is only one) it decides as ``mooncaked_static``.
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ from mooncaked.conductor.views import ClusterView, Decision, ElasticDecision, In
 log = logging.getLogger(__name__)
 
 DEFAULT_BALANCING_THRESHOLD = 1.25
-# mooncaked takes a unit of more machines (a CPP group) only when it cuts the predicted TTFT by
+# mooncaked(_static) takes a unit of more machines (a CPP group) only when it cuts the predicted TTFT by
 # this factor over the best unit of fewer (chosen on the first half of the bundled trace; 0.2-0.4
 # alike; docs/performance.md, "Beyond Algorithm 1")
 GROUP_MIN_GAIN = 0.3
-# mooncaked replicates a pulled prefix only when at least this many requests routed within
+# mooncaked(_static) replicates a pulled prefix only when at least this many requests routed within
 # prefix_demand's window held the whole pulled run (the prefix is hot; docs/performance.md, "Beyond
 # Algorithm 1")
 HOT_MIN_DEMAND = 1
-ELASTIC_POLICY = "mooncaked_elastic"
+ELASTIC_POLICY = "mooncaked"
 DEFAULT_MAX_STAGES = 8
 # the live conductor's elastic pipeline chunk until a single prefill instance registers with its step budget
 # (RegisterRequest.step_tokens): the GPU default (engine/config.py DEFAULT_STEP_TOKENS; not imported: it pulls
@@ -218,8 +219,8 @@ class MooncakePolicy(Policy):
         return min(choices, key=lambda e: (e.ttft_s, -e.local_blocks, e.instance.name))
 
 
-class MooncakedPolicy(Policy):
-    """Ours: Algorithm 1, plus the prefixes still being computed, and pulls decided by predicted time.
+class StaticMooncakedPolicy(Policy):
+    """Ours without lending: Algorithm 1, plus prefixes still being computed, and pulls decided by time.
 
     - **Prefixes in flight.** The prefix index knows only blocks that are already cached.
       A request that shares a prefix with one still prefilling (the next turn of a
@@ -248,7 +249,7 @@ class MooncakedPolicy(Policy):
     (router.PendingBlocks), and ``pipeline_stages`` and the group's pipeline model per group.
     """
 
-    name = "mooncaked"
+    name = "mooncaked_static"
     early_rejection = True
 
     def choose_prefill(self, request, cluster, prefills):
@@ -293,10 +294,11 @@ def pick_fewest_machines(choices: list[PrefillEstimate], min_gain: float = GROUP
     return best
 
 
-class ElasticMooncakedPolicy(MooncakedPolicy):
-    """``mooncaked``, and a prompt may grow a pipeline over idle single instances (elastic CPP).
+class ElasticMooncakedPolicy(StaticMooncakedPolicy):
+    """``mooncaked``, ours: ``mooncaked_static``, and a prompt may grow a pipeline over idle single
+    instances (elastic CPP).
 
-    After ``mooncaked``'s choice, when that instance is idle, the pipeline doubles (2, 4, 8
+    After ``mooncaked_static``'s choice, when that instance is idle, the pipeline doubles (2, 4, 8
     stages, at most ``max_stages`` and the idle single instances there are, predicted fastest
     first) while each doubling cuts the predicted TTFT by the factor ``1 + GROUP_MIN_GAIN``,
     the bar a static group must clear: machines are borrowed only where they earn their keep.
@@ -398,7 +400,7 @@ def live_elastic_shape(stages: int) -> PipelineShape:
 
 
 POLICIES: dict[str, type[Policy]] = {c.name: c for c in (RandomPolicy, RoundRobinPolicy, LoadBalancePolicy,
-                                                          CacheAwareLocalPolicy, MooncakePolicy, MooncakedPolicy)}
+                                                          CacheAwareLocalPolicy, MooncakePolicy, StaticMooncakedPolicy)}
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
@@ -411,7 +413,7 @@ def make_policy(name: str, *, slo: SLO | None = None, seed: int = 0,
                 shape_for: Callable[[int], PipelineShape] = live_elastic_shape,
                 max_stages: int = DEFAULT_MAX_STAGES) -> Policy:
     """A fresh policy object by name; raises ``ValueError`` naming the known ones. ``shape_for`` and
-    ``max_stages`` are ``mooncaked_elastic``'s (default: the live conductor's shape)."""
+    ``max_stages`` are ``mooncaked``'s (default: the live conductor's shape)."""
     if name == ELASTIC_POLICY:
         return ElasticMooncakedPolicy(slo=slo, seed=seed, kvcache_balancing_threshold=kvcache_balancing_threshold,
                                       shape_for=shape_for, max_stages=max_stages)

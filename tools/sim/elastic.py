@@ -1,15 +1,15 @@
-"""Elastic CPP in the simulator: ``mooncaked`` may pipeline one long prompt over idle single instances.
+"""Elastic CPP in the simulator: ``mooncaked`` (ours) may pipeline one long prompt over idle single instances.
 
 The policy is the live conductor's (``mooncaked.conductor.policies.ElasticMooncakedPolicy``,
-``--policy mooncaked_elastic``); here it gets the profile's pipeline shape. At a decision, the
-instance ``mooncaked`` chose may borrow k other prefill instances that are idle (nothing
+``--policy mooncaked``); here it gets the profile's pipeline shape. At a decision, the
+instance ``mooncaked_static`` would choose may borrow k other prefill instances that are idle (nothing
 queued or running by the conductor's own books) as stages 2..k+1 of a chunked pipeline for
 this prompt; they are busy until it finishes, and its blocks are cached on the chosen instance
 (the borrowed stages send their layers' share back with the push to decode, after the first
 token, so it costs no TTFT here). A pipeline whose machines are not all idle when it is routed
 (the books were behind) is not formed: the prompt runs alone and is booked for that
-(``ElasticDecision.alone``). The live instances' side of it is being built (docs/architecture.md
-§3a), so a live replay does not check these figures yet.
+(``ElasticDecision.alone``). Live, the instances build the pipeline per request (docs/architecture.md
+§3a), and ``tools/replay_vs_sim.py --sim-cores 0 --policy mooncake mooncaked`` checks these figures.
 """
 
 from __future__ import annotations
