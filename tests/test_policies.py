@@ -290,6 +290,26 @@ def test_a_few_short_samples_do_not_swing_long_prompt_predictions(prior):
     assert m.predict(29, 0) == pytest.approx(prior.prefill_s(29, 0), rel=0.05)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prompt_longer_than_any_measured_follows_the_priors_curve_at_the_measured_speed(seed):
+    """Five prompts of up to 20k tokens (10% noise) on a machine at 0.9x the profile: a fitted polynomial
+    predicted a 191k-token prompt at 0.37x-1.30x its time over these seeds (a simulated elastic run sent
+    such a prompt to the instance that underpredicted most: short prompts then queued a minute behind
+    it). Beyond the longest measured prompt the model takes the prior's curve from the fit's value there."""
+    m = PrefillTimeModel(prior=PROFILE.prefill_coef)
+    rng = np.random.default_rng(seed)
+    for _ in range(5):
+        n = int(rng.integers(200, 20_000))
+        m.observe(n, 0, PROFILE.prefill_s(n, 0) / 0.9 * float(np.exp(rng.normal(0, 0.1))))
+    truth = PROFILE.prefill_s(191_000, 0) / 0.9
+    assert 0.8 < m.predict(191_000, 0) / truth < 1.25
+    reach = m.reach_tokens
+    fitted = sum(c * f for c, f in zip(m.coef, PrefillTimeModel.features(reach, 0)))
+    assert 10_000 < reach < 20_000 and m.predict(reach, 0) == pytest.approx(fitted)  # the fit, up to its reach
+    assert m.predict(2 * reach, 0) == pytest.approx(fitted * PROFILE.prefill_s(2 * reach, 0)
+                                                    / PROFILE.prefill_s(reach, 0))
+
+
 def test_prefill_model_follows_a_sliding_window():
     """The instance got 2x slower: once the window has only new samples, so has the model."""
     m = PrefillTimeModel(prior=PROFILE.prefill_coef, window=64)

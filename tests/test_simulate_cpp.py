@@ -265,16 +265,16 @@ def test_static_groups_mooncaked_beats_mooncake_on_the_held_out_half(second_half
     assert ours["slo_attainment"] >= theirs["slo_attainment"]
 
 
-def test_elastic_cpp_reaches_0_9x_mooncake_on_the_held_out_half(second_half, capsys):
+def test_mooncaked_reaches_0_9x_mooncake_on_the_held_out_half_with_slo_no_worse(second_half, capsys):
     """16 single prefill machines, seeds 0-3: mooncaked (ours) pipelines long prompts over idle ones
-    (elastic CPP; live replay: docs/performance.md, "Elastic CPP live against the simulator"). Mean TTFT x0.732 when written (its rules
-    chosen on the first half, this half run once); SLO attainment 99.825 % against 99.850 % (one
-    request more in 4 x 1997, around two 191k-token prompts), so it is held to within 0.05 points,
-    not "no worse": docs/performance.md, "Elastic CPP and the SLO"."""
+    (elastic CPP; live: docs/performance.md, "Elastic CPP live against the simulator"). Its rules were
+    chosen on the first half and this half run once per rule: mean TTFT x0.696 when written, SLO
+    attainment 99.912 % against 99.900 % (before a prefill model that follows the prior's curve past
+    the longest prompt it measured: x0.732, 99.825 %; docs/performance.md, "Elastic CPP and the SLO")."""
     rows = _held_out(second_half, capsys, "--policy", "mooncake", "mooncaked")
     ours, theirs = rows["mooncaked"], rows["mooncake"]
     assert ours["mean_ttft_s"] <= 0.9 * theirs["mean_ttft_s"], (ours["mean_ttft_s"], theirs["mean_ttft_s"])
-    assert ours["slo_attainment"] >= theirs["slo_attainment"] - 0.0005
+    assert ours["slo_attainment"] >= theirs["slo_attainment"]
 
 
 @pytest.mark.parametrize("name", ["mooncake", "mooncaked_static", "mooncaked"])

@@ -24,8 +24,8 @@ from mooncaked.conductor.errors import NoInstance, Rejected
 from mooncaked.conductor.policies import CacheAwareLocalPolicy, ElasticMooncakedPolicy, Policy
 from mooncaked.conductor.prefix_demand import PrefixDemand
 from mooncaked.conductor.prefix_index import POOL_HOLDER, PrefixIndex
-from mooncaked.conductor.pipeline_cost import (DEFAULT_CHUNK_TOKENS, PipelineShape, pipeline_instance_model,
-                                               pipeline_prefill_s)
+from mooncaked.conductor.pipeline_cost import (DEFAULT_CHUNK_TOKENS, PipelinePrefillModel, PipelineShape,
+                                               pipeline_instance_model)
 from mooncaked.conductor.registry import Instance, PipelineMember, Registry
 from mooncaked.conductor.views import (ClusterView, Decision, ElasticDecision, InstanceView, Rejection, RequestView,
                                        SeqLoad)
@@ -228,7 +228,7 @@ class SchedulerState:
         Its blocks stay pending until the instance's heartbeats have surely reported them;
         ``cached=False`` (it failed): they are dropped at once. An elastic prefill's helpers are free
         again, and its measured time, the whole pipeline's, is scaled to one machine's by the schedule
-        (as ``PipelinePrefillModel.observe`` does for a static group) before the lead's model sees it."""
+        (``PipelinePrefillModel.observe``, as for a static group) before the lead's model sees it."""
         for b in self.backlogs.values():  # the lead's, and its helpers' for an elastic prefill
             b.finish(request_id)
         shape = self.pipelines.pop(request_id, None)
@@ -240,12 +240,8 @@ class SchedulerState:
                 p.drop(request_id)
         if compute_s is not None:
             machine = self.model(prefill).prefill
-            if shape is not None:
-                group = pipeline_prefill_s(machine.predict, int(uncached), int(prefix), shape)
-                if group <= 0:
-                    return
-                compute_s *= machine.predict(uncached, prefix) / group
-            machine.observe(uncached, prefix, compute_s)
+            # a pipeline's time is scaled back to the lead's own before its model learns from it
+            (machine if shape is None else PipelinePrefillModel(machine, shape)).observe(uncached, prefix, compute_s)
 
     def tokens(self, request_id: str, n: int = 1) -> None:
         s = self.seqs.get(request_id)

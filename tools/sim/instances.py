@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mooncaked.conductor.cost_model import InstanceModel, PrefillBacklog, Profile
-from mooncaked.conductor.pipeline_cost import PipelineShape, pipeline_prefill_s
+from mooncaked.conductor.pipeline_cost import PipelinePrefillModel, PipelineShape, pipeline_prefill_s
 from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import Decision, SeqLoad
 
@@ -153,8 +153,10 @@ class SimPrefill:
                 del self.pending[h]
         cached = job.req.input_length - job.computed_tokens
         job.compute_s = now - job.started_s - job.loading_s  # as planned, or stretched by shared cores (cores.py)
-        if job.pipeline is None:  # a pipelined time is not this machine's step time
+        if job.pipeline is None:
             self.model.prefill.observe(job.computed_tokens, cached, job.compute_s)
+        else:  # as the live conductor does: the pipeline's time scaled back to this machine's own
+            PipelinePrefillModel(self.model.prefill, job.pipeline).observe(job.computed_tokens, cached, job.compute_s)
         hashes = job.req.hash_ids
         if job.pulled_blocks and not job.decision.replicate:  # use the pulled blocks, do not keep them
             self._cache(hashes[:job.reused_blocks - job.pulled_blocks], hashes[job.reused_blocks:])
