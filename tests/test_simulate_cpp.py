@@ -182,6 +182,35 @@ def test_elastic_pipelines_a_long_prompt_over_idle_singles_in_the_simulator():
     assert result.served == 2 and result.prefill_tokens_computed == 80 * 512 + 1000
 
 
+def test_an_elastic_pipeline_on_shared_cores_runs_at_the_share_of_every_machine_it_holds():
+    """``--shared-cores`` (the embedded cluster's one host) with elastic CPP: each stage of the pipeline is a
+    busy instance. With a core per instance the pipeline takes its own-machines time; with both prefill
+    instances on one core it takes twice that, and the helper is free again when the lead finishes."""
+    from sim.elastic import ElasticDecision, make_sim_policy
+    from sim.engine import SimConfig, Simulation
+    from sim.trace import TraceRequest
+
+    n = 80 * 512
+    own = pipeline_prefill_s(PROF.prefill_s, n, 0, PipelineShape.for_profile(PROF, 2, 4096))
+
+    def run(**kw):
+        trace = [TraceRequest(0, 0.0, n, 1, tuple(range(80))), TraceRequest(1, 3 * own, 1000, 1, (1000, 1001))]
+        policy = make_sim_policy("mooncaked", PROF, chunk_tokens=4096, max_stages=2)
+        decided = []
+        decide = policy.decide
+        policy.decide = lambda r, c: decided.append(decide(r, c)) or decided[-1]
+        sim = Simulation(trace, SimConfig(prefill=2, decode=1, profile=PROF, noise=0.0, heterogeneity=0.0, **kw),
+                         policy)
+        sim.run()
+        assert isinstance(decided[0], ElasticDecision) and len(decided[0].helpers) == 1
+        assert sim.outcomes[1].wait_s == 0  # both machines idle again long before the next prompt
+        return sim.outcomes[0].ttft_s
+
+    assert run() == pytest.approx(own) and own < 0.6 * PROF.prefill_s(n, 0)
+    assert run(shared_cores=2) == pytest.approx(own)
+    assert run(shared_cores=1) == pytest.approx(2 * own)
+
+
 def test_elastic_gives_a_prompt_that_misses_the_slo_alone_a_pipeline_from_an_idle_machine():
     """128k tokens take ~39 s on one machine, past the 30 s TTFT SLO. The machine mooncaked picks (the
     fastest, 0.5 s behind) is busy, so elastic CPP would not start there; the prompt leads its

@@ -63,10 +63,8 @@ from sim.trace import DEFAULT_TRACE  # noqa: E402
 
 log = logging.getLogger("replay_vs_sim")
 
-# the policies both sides know: the simulator's and the conductor's --policy choices
-BOTH_POLICIES: tuple[str, ...] = tuple(p for p in POLICY_NAMES if p in LIVE_POLICIES)
-# ... and, on request (not by default), elastic CPP: idle prefill instances lent to a long prompt
-CHOICES: tuple[str, ...] = (*BOTH_POLICIES, ELASTIC_POLICY)
+# the policies both sides know: the simulator's and the conductor's --policy choices, ours (elastic CPP) last
+BOTH_POLICIES: tuple[str, ...] = tuple(p for p in (*POLICY_NAMES, ELASTIC_POLICY) if p in LIVE_POLICIES)
 STEP_TOKENS = 256  # the live engines' step budget (the CPU default), and so an elastic pipeline's chunk
 START_TIMEOUT_S = 240.0
 STATUS_TIMEOUT_S = 5.0
@@ -424,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="simulated mean TTFTs closer than this (relative) are a tie, left out of the order check")
     ap.add_argument("--time-scale", type=float, default=0.2, help="arrival time x this, as replay/simulate take it")
     ap.add_argument("--length-scale", type=float, default=0.01, help="lengths and the 512-token block x this")
-    ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=CHOICES, metavar="NAME",
-                    help=f"policies (default: all of {', '.join(BOTH_POLICIES)}; also {ELASTIC_POLICY})")
+    ap.add_argument("--policy", nargs="+", default=list(BOTH_POLICIES), choices=BOTH_POLICIES, metavar="NAME",
+                    help=f"policies (default: all of {', '.join(BOTH_POLICIES)})")
     ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
                     help="the live engines' step budget (max_num_batched_tokens), and the simulated elastic "
                          "pipeline's chunk")

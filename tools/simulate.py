@@ -127,7 +127,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policy", nargs="+", default=None, choices=(*POLICY_NAMES, ELASTIC_POLICY),
                     metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}, and "
                                          f"{ELASTIC_POLICY}, which pipelines a prompt over idle single instances "
-                                         "lent to it, unless --shared-cores is given)")
+                                         "lent to it)")
     ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
                     help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--time-scale must be >= 0 and --length-scale > 0")
     if args.quick and args.max_requests is None:
         args.max_requests = QUICK_REQUESTS
-    if args.policy is None:  # ours pipelines, which the shared-cores model does not cover
-        args.policy = [*POLICY_NAMES, *(() if args.shared_cores is not None else (ELASTIC_POLICY,))]
+    if args.policy is None:
+        args.policy = [*POLICY_NAMES, ELASTIC_POLICY]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -9,7 +9,9 @@ policies' order was not the live one).
 Processor sharing, updated at the simulation's events: a running prefill's remaining work (in profiled
 seconds) is stretched or shrunk whenever the number of busy instances changes; a decode step takes
 its profiled time times the slowdown current when it starts. A decode batch that empties between two
-events is counted busy until the next one.
+events is counted busy until the next one. An elastic pipeline (``elastic.py``) counts each of its
+machines busy: the lead's pipelined prefill and its helpers' holds start with the same work and stretch
+alike, so they still end together (a pipeline's fill and drain, when some stages wait, count as busy).
 """
 
 from __future__ import annotations

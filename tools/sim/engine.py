@@ -24,7 +24,7 @@ from mooncaked.conductor.prefix_index import PrefixIndex
 from mooncaked.conductor.views import ClusterView, Decision, InstanceView, RequestView, SeqLoad
 
 from .cores import SharedCores
-from .elastic import ElasticDecision, ElasticMooncakedPolicy
+from .elastic import ElasticDecision
 from .instances import Job, Seq, SimDecode, SimPrefill
 from .metrics import Outcome, PolicyResult, summarize
 from .pipeline import SimPipelineGroup
@@ -62,8 +62,8 @@ class Simulation:
         if cfg.pipeline_groups and (cfg.pipeline_stages < 2 or cfg.pipeline_groups * cfg.pipeline_stages > cfg.prefill):
             raise ValueError(f"{cfg.pipeline_groups} groups of {cfg.pipeline_stages} stages need at least 2 stages "
                              f"each and at most {cfg.prefill} prefill machines in all")
-        if cfg.shared_cores is not None and (cfg.pipeline_groups or isinstance(policy, ElasticMooncakedPolicy)):
-            raise ValueError("shared cores model single-instance prefill only: no CPP groups or elastic pipelines")
+        if cfg.shared_cores is not None and cfg.pipeline_groups:
+            raise ValueError("shared cores model single instances (and elastic pipelines over them), not CPP groups")
         if cfg.profile.block_size != TRACE_BLOCK_TOKENS or cfg.length_scale != 1.0 or cfg.profile.max_model_len:
             # what a live cluster with the profile's block size sees when tools/replay.py sends the trace
             ctx = cfg.profile.max_model_len
