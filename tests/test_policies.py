@@ -306,8 +306,22 @@ def test_a_prompt_longer_than_any_measured_follows_the_priors_curve_at_the_measu
     reach = m.reach_tokens
     fitted = sum(c * f for c, f in zip(m.coef, PrefillTimeModel.features(reach, 0)))
     assert 10_000 < reach < 20_000 and m.predict(reach, 0) == pytest.approx(fitted)  # the fit, up to its reach
-    assert m.predict(2 * reach, 0) == pytest.approx(fitted * PROFILE.prefill_s(2 * reach, 0)
-                                                    / PROFILE.prefill_s(reach, 0))
+    fixed = PROFILE.prefill_coef[0]
+    assert m.predict(2 * reach, 0) == pytest.approx(m.coef[0] + (fitted - m.coef[0]) * (
+        PROFILE.prefill_s(2 * reach, 0) - fixed) / (PROFILE.prefill_s(reach, 0) - fixed))
+
+
+def test_past_the_longest_measured_prompt_a_steps_fixed_cost_is_not_scaled():
+    """A step's fixed cost (here 0.5 s, as a CPU engine's overheads can be) stays fixed past the reach, and
+    the conductor's prior (GENERIC) has none: scaling the whole time at 256 tokens by the prior's
+    2048/256 would predict 1.4x a 2048-token prompt's time. Only the variable part grows."""
+    m = GENERIC.instance_model().prefill
+    for n in range(64, 257, 16):
+        m.observe(n, 0, 0.5 + 0.004 * n)
+    m.refit()  # the reach moves with the fit (lazily, every few samples)
+    truth = 0.5 + 0.004 * 2048
+    assert m.reach_tokens == 256 and 0.9 < m.predict(2048, 0) / truth < 1.1
+    assert m.predict(2048, 0) < 0.8 * m.predict(256, 0) * 2048 / 256
 
 
 def test_prefill_model_follows_a_sliding_window():

@@ -155,8 +155,10 @@ class PrefillTimeModel(StepTimeModel):
         self.reach_tokens = max((row[1] for row in self._x), default=0.0) * 1000.0
 
     def predict(self, n: float, p: float) -> float:
-        """Within the prompt lengths measured, the fit; beyond them, the prior's curve scaled to meet the fit
-        at the longest measured length (the prior's shape, this instance's measured speed).
+        """Within the prompt lengths measured, the fit; beyond them, the fit's fixed cost plus its variable
+        cost at the longest measured length, grown as the prior's variable cost grows (the prior's shape,
+        this instance's measured speed; the fixed cost is not scaled: live, the first prompts an instance
+        sees are often a few tokens, where a step's fixed cost is most of the time).
 
         A polynomial fitted to a few prompts of up to 20k tokens extrapolates a 191k one anywhere from
         0.4x to 1.7x its time (bundled trace, simulated), and the policy then picks the instance that
@@ -167,13 +169,15 @@ class PrefillTimeModel(StepTimeModel):
         reach = self.reach_tokens
         if n <= reach or reach <= 0:
             return fitted
-        prior_edge = self._prior_predict(reach, p)
+        prior_edge = self._prior_variable(reach, p)
         if prior_edge <= 0:
             return fitted
-        return super().predict(reach, p) * self._prior_predict(n, p) / prior_edge
+        fixed = self.coef[0]
+        return fixed + max(0.0, super().predict(reach, p) - fixed) * self._prior_variable(n, p) / prior_edge
 
-    def _prior_predict(self, n: float, p: float) -> float:
-        return max(0.0, sum(c * f for c, f in zip(self.prior, self.features(n, p))))
+    def _prior_variable(self, n: float, p: float) -> float:
+        """The prior's time beyond its fixed cost (``const_s``)."""
+        return max(0.0, sum(c * f for c, f in zip(self.prior[1:], self.features(n, p)[1:])))
 
 
 class DecodeTimeModel(StepTimeModel):
