@@ -17,18 +17,30 @@ from tiny_models import random_prompts
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def cluster(tiny_model_factory, tmp_path):
-    _, folder = tiny_model_factory("llama")
+def _cluster(folder, tmp_path, *decode_args: str):
     c = Cluster(folder, tmp_path)
     try:
         c.start("conductor", "conductor")
         for name in ("p1", "p2", "d1", "d2"):
-            c.start(name, "prefill" if name.startswith("p") else "decode")
+            c.start(name, *(("prefill",) if name.startswith("p") else ("decode", *decode_args)))
         c.wait_serving(["p1", "p2", "d1", "d2"])
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture
+def cluster(tiny_model_factory, tmp_path):
+    _, folder = tiny_model_factory("llama")
+    yield from _cluster(folder, tmp_path)
+
+
+@pytest.fixture
+def long_drain_cluster(tiny_model_factory, tmp_path):
+    """Decodes that drain for up to 60 s: a stream of 300 tokens outlasted the cluster's 5 s on a loaded
+    2-core CI machine (stop() still kills a process after 15 s)."""
+    _, folder = tiny_model_factory("llama")
+    yield from _cluster(folder, tmp_path, "--drain-timeout-s", "60")
 
 
 def _request(ids, max_tokens):
@@ -92,7 +104,8 @@ async def test_no_instances_means_unavailable_not_a_hang(cluster):
         assert time.monotonic() - start < 15
 
 
-async def test_sigterm_drains_and_exits_zero(cluster):
+async def test_sigterm_drains_and_exits_zero(long_drain_cluster):
+    cluster = long_drain_cluster
     async with grpc.aio.insecure_channel(cluster.conductor) as ch:
         stub = conductor_pb2_grpc.ConductorStub(ch)
         call = stub.Generate(_request([4, 4, 4], 300), timeout=60)
