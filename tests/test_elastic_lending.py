@@ -53,7 +53,7 @@ def test_the_elastic_policy_is_a_live_choice_and_not_one_of_the_compared_ones():
     parser = argparse.ArgumentParser()
     add_config_args(parser)
     assert load_config(parser.parse_args(["--role", "conductor", "--policy", ELASTIC_POLICY]), {}).policy == ELASTIC_POLICY
-    assert ELASTIC_POLICY not in POLICY_NAMES  # the simulator's and replay's defaults stay as they were
+    assert ELASTIC_POLICY not in POLICY_NAMES  # made by make_policy with its pipeline's shape
     assert make_policy(ELASTIC_POLICY).name == ELASTIC_POLICY
 
 

@@ -57,14 +57,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import replay as replay_tool  # noqa: E402
 import simulate as simulate_tool  # noqa: E402
-from mooncaked.conductor.policies import ELASTIC_POLICY, POLICY_NAMES  # noqa: E402
+from mooncaked.conductor.policies import ALL_POLICY_NAMES  # noqa: E402
 from mooncaked.config import POLICIES as LIVE_POLICIES  # noqa: E402
 from sim.trace import DEFAULT_TRACE  # noqa: E402
 
 log = logging.getLogger("replay_vs_sim")
 
 # the policies both sides know: the simulator's and the conductor's --policy choices, ours (elastic CPP) last
-BOTH_POLICIES: tuple[str, ...] = tuple(p for p in (*POLICY_NAMES, ELASTIC_POLICY) if p in LIVE_POLICIES)
+BOTH_POLICIES: tuple[str, ...] = tuple(p for p in ALL_POLICY_NAMES if p in LIVE_POLICIES)
 STEP_TOKENS = 256  # the live engines' step budget (the CPU default), and so an elastic pipeline's chunk
 START_TIMEOUT_S = 240.0
 STATUS_TIMEOUT_S = 5.0

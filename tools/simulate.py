@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 from mooncaked.conductor.cost_model import PROFILES, Profile  # noqa: E402
 from mooncaked.conductor.early_rejection import SLO  # noqa: E402
 from mooncaked.conductor.pipeline_cost import DEFAULT_CHUNK_TOKENS  # noqa: E402
-from mooncaked.conductor.policies import DEFAULT_BALANCING_THRESHOLD, POLICY_NAMES  # noqa: E402
+from mooncaked.conductor.policies import ALL_POLICY_NAMES, DEFAULT_BALANCING_THRESHOLD  # noqa: E402
 from sim.elastic import DEFAULT_MAX_STAGES, ELASTIC_POLICY, make_sim_policy  # noqa: E402
 from sim.engine import SimConfig, Simulation  # noqa: E402
 from sim.metrics import PolicyResult, average, format_table  # noqa: E402
@@ -124,10 +124,10 @@ def parser() -> argparse.ArgumentParser:
                          "(busy instances share them; default: each instance on a machine of its own)")
     ap.add_argument("--instance-threads", type=int, default=1,
                     help="with --shared-cores: torch threads per instance (as the profile was measured)")
-    ap.add_argument("--policy", nargs="+", default=None, choices=(*POLICY_NAMES, ELASTIC_POLICY),
-                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(POLICY_NAMES)}, and "
-                                         f"{ELASTIC_POLICY}, which pipelines a prompt over idle single instances "
-                                         "lent to it)")
+    ap.add_argument("--policy", nargs="+", default=list(ALL_POLICY_NAMES), choices=ALL_POLICY_NAMES,
+                    metavar="NAME", help=f"policies to compare (default: all of {', '.join(ALL_POLICY_NAMES)}; "
+                                         f"{ELASTIC_POLICY} pipelines a prompt over idle single instances lent "
+                                         "to it)")
     ap.add_argument("--elastic-max-stages", type=int, default=DEFAULT_MAX_STAGES,
                     help=f"most machines {ELASTIC_POLICY} pipelines one prompt over")
     ap.add_argument("--profile", default="a800-llama2-70b", help=f"built-in ({', '.join(PROFILES)}) or a JSON file")
@@ -172,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--time-scale must be >= 0 and --length-scale > 0")
     if args.quick and args.max_requests is None:
         args.max_requests = QUICK_REQUESTS
-    if args.policy is None:
-        args.policy = [*POLICY_NAMES, ELASTIC_POLICY]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

@@ -404,8 +404,8 @@ POLICIES: dict[str, type[Policy]] = {c.name: c for c in (RandomPolicy, RoundRobi
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
 
-# the live conductor's choices: the compared policies, and elastic CPP (which needs its pipeline's shape)
-LIVE_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, ELASTIC_POLICY)
+# every policy: those above, and ours (elastic CPP, which needs its pipeline's shape: ``make_policy``)
+ALL_POLICY_NAMES: tuple[str, ...] = (*POLICY_NAMES, ELASTIC_POLICY)
 
 
 def make_policy(name: str, *, slo: SLO | None = None, seed: int = 0,
@@ -419,5 +419,5 @@ def make_policy(name: str, *, slo: SLO | None = None, seed: int = 0,
                                       shape_for=shape_for, max_stages=max_stages)
     cls = POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(LIVE_POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(ALL_POLICY_NAMES)}")
     return cls(slo=slo, seed=seed, kvcache_balancing_threshold=kvcache_balancing_threshold)

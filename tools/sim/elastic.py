@@ -9,7 +9,7 @@ this prompt; they are busy until it finishes, and its blocks are cached on the c
 token, so it costs no TTFT here). A pipeline whose machines are not all idle when it is routed
 (the books were behind) is not formed: the prompt runs alone and is booked for that
 (``ElasticDecision.alone``). Live, the instances build the pipeline per request (docs/architecture.md
-§3a), and ``tools/replay_vs_sim.py --sim-cores 0 --policy mooncake mooncaked`` checks these figures.
+§3a), and ``tools/replay_vs_sim.py --policy mooncake mooncaked`` checks these figures.
 """
 
 from __future__ import annotations
