@@ -164,6 +164,7 @@ def cmd_generate(argv: list[str]) -> int:
     _setup_logging(level)
     from mooncaked.engine import Engine, RequestError, SamplingParams
     from mooncaked.engine.config import check_device
+    from mooncaked.engine.engine_thread import build_on_engine_thread
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -173,8 +174,10 @@ def cmd_generate(argv: list[str]) -> int:
         return 2
     try:
         check_device(args.device)  # before the model is read (or converted)
-        engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes)
+        # built on the thread that will step it (engine/engine_thread.py)
+        engine = build_on_engine_thread(lambda thread: Engine.from_pretrained(
+            args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes, executor=thread))
     except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's to fix
         return _fail(e, level == "DEBUG", "mooncaked generate")
     tok = engine.tokenizer

@@ -477,6 +477,10 @@ class WorkerConfig(RoleConfig):
     max_model_len: int | None = _setting(None, _optional(_at_least(_int, 1)),
                                          "longest prompt + output in tokens (default: the model's "
                                          "max_position_embeddings)", "N")
+    threads: int = _setting(0, _at_least(_int, 0),
+                            "torch CPU threads of this engine (0: auto: OMP_NUM_THREADS when set, else every core; "
+                            "under --role all the cores are shared out among its engine processes, since "
+                            "engines whose threads outnumber the cores wait on each other at every op)", "N")
     attention_backend: str = _setting("auto", _choice(ATTENTION_BACKENDS),
                                       "attention kernels: flash (flash-attn, CUDA), torch (SDPA, any device) "
                                       "or auto (flash where available)", "NAME")

@@ -16,7 +16,7 @@ import pytest
 from cluster import free_port
 from mooncaked.config import AllConfig, DecodeConfig, PrefillConfig
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
-from mooncaked.roles.all_role import child_configs
+from mooncaked.roles.all_role import child_configs, engine_threads
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,6 +53,20 @@ def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
     assert sorted(os.path.basename(c.store_lmdb_path) for c in engines) == \
         ["decode", "decode-1", "prefill", "prefill-1", "prefill-2"]
     assert all(c.store_dram_bytes > 0 for c in engines if c.role == "prefill")
+
+
+def test_the_cores_are_shared_out_among_the_engines_unless_the_user_says(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [engine_threads(n, cores=8) for n in (1, 2, 3, 8, 9)] == [8, 4, 2, 1, 1]
+    cores = len(os.sched_getaffinity(0))
+    cfg = AllConfig(prefill_instances=2, decode_instances=1)
+    engines = [c for c in child_configs(cfg) if isinstance(c, (PrefillConfig, DecodeConfig))]
+    assert [c.threads for c in engines] == [max(1, cores // 3)] * 3
+    explicit = AllConfig(prefill_instances=2, decode_instances=1, threads=5)
+    assert {c.threads for c in child_configs(explicit) if isinstance(c, (PrefillConfig, DecodeConfig))} == {5}
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torch reads it in each engine process
+    assert engine_threads(2, cores=8) == 0
+    assert {c.threads for c in child_configs(cfg) if isinstance(c, (PrefillConfig, DecodeConfig))} == {0}
 
 
 def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_path):

@@ -27,6 +27,7 @@ import torch
 
 from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, parse_dtype
+from mooncaked.engine.engine_thread import new_engine_thread
 from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
@@ -117,9 +118,12 @@ PREFILLED = "prefilled"
 
 class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig,
-                 kv_pool_alloc: Callable[[int], torch.Tensor] | None = None) -> None:
+                 kv_pool_alloc: Callable[[int], torch.Tensor] | None = None,
+                 executor: concurrent.futures.ThreadPoolExecutor | None = None) -> None:
         """``kv_pool_alloc(nbytes)`` lets the caller provide the KV pool's memory (e.g. a region the
-        transfer engine registered, shared memory for same-host peers)."""
+        transfer engine registered, shared memory for same-host peers). ``executor``: the thread this
+        engine is being built on, which then runs its async steps (engine/engine_thread.py says why;
+        default: a new one, started with the driver)."""
         self.model_dir = model_dir
         self.config = config
         self.model_config, _ = read_model_config(model_dir)
@@ -160,7 +164,7 @@ class Engine:
         self._inbox: collections.deque[_Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._step_lock = threading.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor = executor
         self._driver: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._prefill_tokens = 0
@@ -178,12 +182,13 @@ class Engine:
                         dtype: str | torch.dtype | None = None, block_size: int = 16,
                         kv_cache_bytes: int | None = None, cache_dir: Path | None = None,
                         kv_pool_alloc: Callable[[int], torch.Tensor] | None = None,
+                        executor: concurrent.futures.ThreadPoolExecutor | None = None,
                         **engine_kwargs) -> "Engine":
         """Load ``model`` ("default", an HF folder or a .gguf file) from disk; nothing is downloaded."""
         model_dir = resolve_model_dir(model, cache_dir)
         cfg = EngineConfig(device=device, dtype=parse_dtype(dtype),
                            block_size=block_size, kv_cache_bytes=kv_cache_bytes, **engine_kwargs)
-        return cls(model_dir, cfg, kv_pool_alloc)
+        return cls(model_dir, cfg, kv_pool_alloc, executor)
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -624,7 +629,7 @@ class Engine:
         ``stream`` and ``call`` do it on demand)."""
         loop = loop or asyncio.get_running_loop()
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+            self._executor = new_engine_thread()
         if self.driver_failure is not None:
             return  # a dead engine stays dead: its owner restarts the process
         if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:

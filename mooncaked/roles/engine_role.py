@@ -17,8 +17,11 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from mooncaked.config import WorkerConfig
 from mooncaked.engine import Engine
+from mooncaked.engine.engine_thread import build_on_engine_thread
 from mooncaked.engine.loader import resolve_model_dir
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, engine_pb2_grpc
 from mooncaked.convert import layout_to_proto
@@ -50,8 +53,14 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
                               io_process=cfg.transfer_io_process)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
-    engine = await loop.run_in_executor(
-        None, lambda: Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n)))
+    def build(thread) -> Engine:
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        log.info("engine: %d torch threads", torch.get_num_threads())
+        return Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n), thread)
+
+    # built on the thread that will step it: one OpenMP team in the process (engine/engine_thread.py)
+    engine = await loop.run_in_executor(None, build_on_engine_thread, build)
     engine.start_driver(loop)
     with listening("--transfer-listen", cfg.transfer_listen):
         await transfer.start()
