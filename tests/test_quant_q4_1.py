@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import gguf
+import pytest
 import torch
 from torch import nn
 
-from mooncaked.engine import Engine
+from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.quant import INT4_GROUP, QuantLinear, quantize_int4
 from test_gguf import Vocab, bpe, bpe_vocab, tiny_llama, write_gguf  # noqa: F401 - fixtures
 
@@ -62,3 +63,22 @@ def test_int4_reproduces_the_q4_1_weights_exactly(tmp_path: Path, bpe_vocab: Voc
         assert torch.equal(got.float().T, w), name
         checked += 1
     assert checked == 2 * 4  # per layer: qkv, o, gate_up, down (the 300-row head stays fp32: rows in 16s)
+
+
+def test_bf16_weights_of_a_q4_1_gguf_are_found_on_the_grid(tmp_path: Path, bpe_vocab: Vocab) -> None:
+    """The bf16 path (the default where the CPU has native bf16) keeps such weights as 4 bits too, for
+    one-row steps (engine/four_bit.py); any other checkpoint's are not on a grid and stay bf16 only."""
+    from mooncaked.engine.bf16_weights import Bf16Linear
+    from test_engine_precision import NO_BF16_HERE
+
+    if NO_BF16_HERE is not None:
+        pytest.skip(NO_BF16_HERE)
+    kw = dict(dtype="float32", quantize="bf16", block_size=4, kv_cache_bytes=4 << 20, cache_dir=tmp_path / "cache")
+    on_grid = write_gguf(tmp_path / "q4_1.gguf", _on_q4_1_grid(tiny_llama(seed=3), seed=4), bpe_vocab, Q.Q4_1)
+    plain = write_gguf(tmp_path / "f32.gguf", tiny_llama(seed=3), bpe_vocab, Q.F32)
+    for path, want in ((on_grid, 2 * 4), (plain, 0)):
+        engine = Engine.from_pretrained(path, **kw)
+        layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, Bf16Linear)}
+        assert sum(m.four_bit is not None for n, m in layers.items() if "layers." in n) == want, path
+        one = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        assert len(one.token_ids) == 4 and one.finish_reason == "length"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.engine.config import ConfigError
+from mooncaked.engine.four_bit import FOUR_BIT_ROWS, FourBitPair
 
 # bf16 logits of this model are off by ~0.1 at most; the 16 best cover every near tie we saw
 CANDIDATES = 16
@@ -53,24 +54,31 @@ class PackedBf16:
 
 class Bf16Linear(nn.Module):
     """A drop-in for ``nn.Linear`` (forward only): bf16 weights, input rounded to bf16, output in
-    ``out_dtype`` (default: the layer's own dtype; the bias is added there)."""
+    ``out_dtype`` (default: the layer's own dtype; the bias is added there).
+
+    Weights already on a 4-bit grid (a Q4 GGUF's) are also held as 4 bits, read by one-row calls
+    (engine/four_bit.py): there a step's time is the bytes of weights it reads."""
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = out_dtype or linear.weight.dtype
         self.weight = PackedBf16(linear.weight)
+        self.four_bit = FourBitPair.of(linear.weight) if self.weight.packed is not None else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.weight(x).to(self.out_dtype)
+        if self.four_bit is not None and x.dim() == 2 and x.shape[0] <= FOUR_BIT_ROWS:
+            y = self.four_bit(x).to(self.out_dtype)
+        else:
+            y = self.weight(x).to(self.out_dtype)
         return y if self.bias is None else y + self.bias
 
 
 class CandidateHead(nn.Module):
     """The vocabulary head: cheap logits for every token, fp32 for the ``k`` best of them.
 
-    ``cheap`` scores the whole vocabulary (default: the head's weights in bf16; engine/quant.py
+    ``cheap`` scores the whole vocabulary (default: the head's weights in bf16, Bf16Linear; engine/quant.py
     passes an int8/int4 layer); the fp32 weights are shared (with the embedding when tied), and
     only ``k`` rows of them are read per token."""
 
@@ -79,7 +87,13 @@ class CandidateHead(nn.Module):
         if linear.bias is not None:
             raise ValueError("a vocabulary head with a bias is not supported")
         self.weight = linear.weight  # fp32, shared
-        self.cheap = cheap if cheap is not None else PackedBf16(linear.weight)
+        if cheap is None:
+            cheap = Bf16Linear(linear, torch.float32)
+            if cheap.four_bit is None and cheap.weight.packed is not None:
+                # it only picks candidates that are then rescored in fp32: 4 bits off the grid serve
+                # (the default model's tied head, 57 MB a step in bf16; no greedy token changed)
+                cheap.four_bit = FourBitPair.of(linear.weight, exact=False)
+        self.cheap = cheap
         self.k = min(k, linear.out_features)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

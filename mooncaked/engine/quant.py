@@ -24,12 +24,11 @@ from torch import nn
 
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
+from mooncaked.engine.four_bit import INT4_GROUP, INT4_ROWS, quantize_int4  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4", "fp16")
-INT4_GROUP = 32  # the default model is Q4_1 (blocks of 32 along the input dim): int4/32 keeps its grid
-INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # rows at or below which the quantized kernel beats dequantize + fp32 GEMM (measured on AVX2, 2 cores)
 SMALL_M = {"int8": 64, "int4": 64, "fp16": 64}
 # share of the free memory the fp32 weights may keep using so that prefill runs an fp32 GEMM (int8, int4,
@@ -51,17 +50,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale
-
-
-def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 per group of ``group`` inputs: w ≈ (q - 8) * scale + zero, q in 0..15.
-    Returns q [N, K] (uint8), scale and zero [N, K/group] (fp32)."""
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
-    return q.contiguous(), scale, lo + 8 * scale
 
 
 class QuantLinear(nn.Module):
@@ -203,7 +191,11 @@ def _dense_fits(model: nn.Module) -> bool:
 
 def _bf16_weights(model: nn.Module) -> int:
     # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
-    return _replace_linears(model, Bf16Linear, None)
+    count = _replace_linears(model, Bf16Linear, None)
+    layers = [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read "
+             "as 4 bits by one-row steps", sum(m.four_bit is not None for m in layers), len(layers))
+    return count
 
 
 def _replace_linears(model: nn.Module, layer: Callable[[nn.Linear], nn.Module],

@@ -1,0 +1,76 @@
+"""Weights that already lie on a 4-bit grid (a Q4 GGUF's, as the default model's) read as 4 bits
+where a step is bound by reading them: a one-row (batch-1 decode) call.
+
+Why: such a step reads every weight once, 269 MB a step for the default model in bf16 and about
+100 MB here. torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, as gpt-fast uses it) takes bf16
+scales and zeros, and rounding a Q4_1 block's fp16 scale and offset to bf16 cost 12 points of greedy
+agreement on the default model (0.826). So a layer holds two pairs for the same 4-bit values: the
+bf16-rounded scale and zero, and what the rounding left of them; the two products add up to the
+grid's own weights within ~2^-16 (agreement 0.914, docs/performance.md "Engine"). Only weights found
+exactly on the grid qualify: re-quantizing any others would lose far more than bf16 does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_GROUP = 32  # Q4_0/Q4_1 blocks: 32 inputs share a scale (and an offset)
+INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
+# rows at or below which a call reads the 4-bit weights (above, the bf16 GEMM's compute wins: measured
+# on a 2-vCPU AMX host, the int4 kernel is already slower at 2 rows than oneDNN's bf16 GEMM at 16)
+FOUR_BIT_ROWS = 1
+# a weight is on the grid when re-quantizing it moves no value by more than this share of its group's step
+GRID_TOLERANCE = 1e-3
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of ``group`` inputs: w ≈ (q - 8) * scale + zero, q in 0..15.
+    Returns q [N, K] (uint8), scale and zero [N, K/group] (fp32)."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q.contiguous(), scale, lo + 8 * scale
+
+
+def on_grid(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
+    """Whether ``(q - 8) * scale + zero`` gives back ``w`` (to GRID_TOLERANCE of each group's step)."""
+    n, k = w.shape
+    back = (q.float().reshape(n, k // INT4_GROUP, INT4_GROUP) - 8) * scale[..., None] + zero[..., None]
+    err = (back - w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)).abs().amax(-1)
+    return bool((err <= GRID_TOLERANCE * scale).all())
+
+
+class FourBitPair:
+    """A weight [N, K] on a 4-bit grid, as packed 4-bit values and two bf16 (scale, zero) pairs."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, exact: bool = True) -> None:
+        self.out_features = q.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        coarse = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K/g, 2]
+        fine = (torch.stack([scale, zero], dim=-1) - coarse.float()).to(torch.bfloat16)
+        # the kernel wants [K/g, N, 2]
+        self.coarse = coarse.transpose(0, 1).contiguous()
+        self.fine = fine.transpose(0, 1).contiguous() if exact else None
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, exact: bool = True) -> "FourBitPair | None":
+        """The 4-bit form of ``weight``, or None when it is not on a 4-bit grid of INT4_GROUP inputs
+        (or its shape or device does not fit the kernel). ``exact=False``: any weight, re-quantized to
+        4 bits with one bf16 pair (for a scorer whose choices are checked in fp32 anyway)."""
+        w = weight.detach()
+        n, k = w.shape
+        if w.device.type != "cpu" or k % INT4_GROUP or n % INT4_ROWS:
+            return None
+        q, scale, zero = quantize_int4(w)
+        if exact and not on_grid(w, q, scale, zero):
+            return None
+        return cls(q, scale, zero, exact)
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2`` [M, K] (rounded to bf16, as the bf16 path rounds it) times the weight, as fp32 [M, N]."""
+        xb = x2.to(torch.bfloat16)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = mm(xb, self.packed, INT4_GROUP, self.coarse).float()
+        return y if self.fine is None else y + mm(xb, self.packed, INT4_GROUP, self.fine)

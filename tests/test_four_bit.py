@@ -1,0 +1,90 @@
+"""Weights on a 4-bit grid read as 4 bits by one-row calls (engine/four_bit.py): only weights found on
+the grid, with two bf16 (scale, zero) pairs so that the kernel multiplies by the grid's own values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
+from mooncaked.engine.four_bit import INT4_GROUP, FourBitPair, quantize_int4
+from test_engine_precision import NO_BF16_HERE
+
+
+def q4_1_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Q4_1 blocks as llama.cpp writes them: w = d * q + m, q in 0..15 (both ends used), d and m fp16
+    values that bf16 cannot hold exactly."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = rows * cols // INT4_GROUP
+    q = torch.randint(0, 16, (blocks, INT4_GROUP), generator=g)
+    q[:, 0], q[:, 1] = 0, 15
+    d = (torch.rand(blocks, 1, generator=g) * 0.01 + 0.001).half().float()
+    m = (-torch.rand(blocks, 1, generator=g) * 0.08).half().float()
+    return (d * q + m).reshape(rows, cols)
+
+
+def test_only_weights_on_a_4_bit_grid_are_taken():
+    assert FourBitPair.of(q4_1_weight(64, 128, seed=1)) is not None
+    assert FourBitPair.of(torch.randn(64, 128) * 0.02) is None  # plain weights: re-quantizing would lose
+    assert FourBitPair.of(q4_1_weight(64, 128, seed=1)[:, :100]) is None  # not groups of 32
+    assert FourBitPair.of(q4_1_weight(72, 128, seed=1)[:40]) is None  # not rows in 16s
+    # any weight, when asked for a lossy copy (a scorer whose picks are rescored in fp32)
+    lossy = FourBitPair.of(torch.randn(64, 128) * 0.02, exact=False)
+    assert lossy is not None and lossy.fine is None
+
+
+def test_two_pairs_give_the_grids_own_weights():
+    w = q4_1_weight(256, 576, seed=2)
+    pair = FourBitPair.of(w)
+    x = torch.randn(1, 576)
+    xb = x.to(torch.bfloat16)
+    exact = xb.double() @ w.double().T  # the bf16-rounded input times the grid's weights
+    got = pair(x)
+    assert got.dtype == torch.float32 and got.shape == (1, 256)
+    err = (got.double() - exact).abs().max().item()
+    # what the output's bf16 rounding allows (the kernel returns bf16), per pair
+    assert err <= 2 * 2.0 ** -8 * exact.abs().max().item()
+    # one bf16 pair alone multiplies by other weights (as bf16 weights do): the second pair is what
+    # makes them the grid's, so what is left is the output's rounding (measured: ~0.68x their RMS error)
+    q, scale, zero = quantize_int4(w)
+    coarse = FourBitPair(q, scale, zero, exact=False)
+    errors: dict[str, list[float]] = {"pair": [], "coarse": [], "bf16": []}
+    for seed in range(16):
+        x = torch.randn(1, 576, generator=torch.Generator().manual_seed(seed))
+        exact = x.to(torch.bfloat16).double() @ w.double().T
+        for name, y in (("pair", pair(x)), ("coarse", coarse(x)),
+                        ("bf16", torch.nn.functional.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)))):
+            errors[name].append((y.double() - exact).pow(2).mean().sqrt().item())
+    rms = {name: sum(e) / len(e) for name, e in errors.items()}
+    assert rms["pair"] < 0.8 * rms["coarse"] and rms["pair"] < 0.8 * rms["bf16"], rms
+
+
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
+def test_a_bf16_layer_reads_4_bits_for_one_row_only():
+    lin = nn.Linear(576, 256, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_weight(256, 576, seed=3))
+    layer = Bf16Linear(lin)
+    assert layer.four_bit is not None
+    one, many = torch.randn(1, 576), torch.randn(5, 576)
+    torch.testing.assert_close(layer(one), layer.four_bit(one) + lin.bias, rtol=0, atol=0)
+    torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)
+    plain = Bf16Linear(nn.Linear(576, 256))
+    assert plain.four_bit is None
+    torch.testing.assert_close(plain(one), plain.weight(one).float() + plain.bias, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
+def test_an_off_grid_head_scores_one_row_in_4_bits_and_its_best_in_fp32():
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 512, bias=False)
+    head = CandidateHead(linear, k=8)
+    assert head.cheap.four_bit is not None and head.cheap.four_bit.fine is None
+    h = torch.randn(1, 64)
+    with torch.no_grad():
+        want = linear(h)
+        got = head(h)
+        top = head.cheap.four_bit(h).topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
