@@ -4,7 +4,7 @@ Why one: torch runs CPU ops on libgomp's OpenMP teams, one team per thread that 
 process holds more OpenMP threads than it has CPUs, libgomp cuts the time its workers spin between
 ops to ~100 iterations, so every op then wakes them through the kernel. On a 2-vCPU host an engine
 built on one thread and stepped on another ran each decode-step linear layer in ~115 µs instead of
-~25 µs, and a whole decode step ~1.7x slower (docs/performance.md, "One thread per engine").
+~25 µs, and `mooncaked generate` made 23 tokens/s instead of 40 (docs/performance.md, "An AMX host").
 """
 
 from __future__ import annotations

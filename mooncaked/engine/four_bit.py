@@ -4,10 +4,11 @@ where a step is bound by reading them: a one-row (batch-1 decode) call.
 Why: such a step reads every weight once, 269 MB a step for the default model in bf16 and about
 100 MB here. torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, as gpt-fast uses it) takes bf16
 scales and zeros, and rounding a Q4_1 block's fp16 scale and offset to bf16 cost 12 points of greedy
-agreement on the default model (0.826). So a layer holds two pairs for the same 4-bit values: the
-bf16-rounded scale and zero, and what the rounding left of them; the two products add up to the
-grid's own weights within ~2^-16 (agreement 0.914, docs/performance.md "Engine"). Only weights found
-exactly on the grid qualify: re-quantizing any others would lose far more than bf16 does.
+agreement on the default model (0.826, every layer 4-bit). So a layer holds two pairs for the same
+4-bit values: the bf16-rounded scale and zero, and what the rounding left of them; the two products
+add up to the grid's own weights (0.914), and what is left is the kernel's bf16 output rounding
+(docs/performance.md, "An AMX host"). Only weights found exactly on the grid qualify: re-quantizing
+any others would lose far more than bf16 does.
 """
 
 from __future__ import annotations

@@ -59,7 +59,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     ``histories[i]``: row i's prompt and output so far; needed only for rows with penalties.
     """
     logits = logits.float()
-    broken = _broken_rows(logits)
+    # one pass decides the common case: no NaN or infinity anywhere, so no row is broken and (with no
+    # penalty to overflow and no ban that covers the vocabulary) there is nothing to repair; the checks
+    # and repairs below take ~9 passes over the logits (8 ms a step at batch 16 on one core)
+    clean = bool(torch.isfinite(logits).all())
+    broken = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device) if clean else _broken_rows(logits)
     want_logprobs = any(p.logprobs for p in params)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     masked = bool(banned) and any(banned)  # type: ignore[arg-type]
@@ -77,7 +81,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             h = histories[i]
             assert h is not None, "a penalized row needs its history"
             apply_penalties(x[i], params[i], h.prompt_token_ids, h.output_token_ids)
-    x = _choosable(x, logits, broken)
+    vocab_banned = masked and any(ids and len(ids) >= vocab for ids in banned)  # type: ignore[union-attr]
+    if not clean or penalized or vocab_banned:
+        x = _choosable(x, logits, broken)
     if all(p.greedy for p in params):
         chosen = x.argmax(dim=-1)
     else:
