@@ -13,7 +13,7 @@ them: no gRPC, no KV push. Bandwidths are not measured; ``--remote-bps`` and fri
 them (the defaults suit TCP on loopback).
 
     python tools/profile_engine.py --out engine.json            # several minutes on 2 CPU cores
-    python tools/profile_engine.py --quick --out engine.json    # ~2 min (SmolLM2), seconds for a tiny model
+    python tools/profile_engine.py --quick --out engine.json    # a few minutes (SmolLM2), seconds for a tiny model
     python tools/simulate.py --profile engine.json --prefill 2 --decode 2 --max-requests 120 \\
         --time-scale 0.2 --length-scale 0.01
 """
@@ -44,11 +44,11 @@ class Grid:
     decode_batch: tuple[int, ...]
     decode_context: tuple[int, ...]
     decode_steps: int
-    repeats: int
+    repeats: int  # each prefill shape is the best of this many runs; the decode grid runs this many times
 
 
 FULL = Grid((16, 64, 256, 512, 1024, 2048), (0, 256, 1024), (1, 4, 16, 32), (64, 512, 1024), 12, 2)
-QUICK = Grid((16, 128, 512), (0, 256), (1, 8), (64, 256), 6, 1)
+QUICK = Grid((16, 128, 512), (0, 256), (1, 8), (64, 256), 6, 2)
 
 
 class Profiler:
@@ -113,15 +113,17 @@ def measure(args: argparse.Namespace) -> dict:
     prof.decode(2, 32, 2)
     prefill, decode = [], []
     t0 = time.perf_counter()
+    for p in grid.prefill_prefix:
+        p = p // bs * bs
+        for n in grid.prefill_new:
+            if p + n >= limit or -(-(p + n) // bs) * 2 > num_blocks:
+                continue
+            # the best of a few: one pre-empted run on a shared machine (a 16-token prefill measured 4x a
+            # 128-token one) bends the whole fit
+            uncached, cached, s = min((prof.prefill(n, p) for _ in range(grid.repeats)), key=lambda r: r[2])
+            prefill.append([uncached, cached, s])
+            log.info("prefill %5d new after %5d cached: %.4f s (best of %d)", uncached, cached, s, grid.repeats)
     for _ in range(grid.repeats):
-        for p in grid.prefill_prefix:
-            p = p // bs * bs
-            for n in grid.prefill_new:
-                if p + n >= limit or -(-(p + n) // bs) * 2 > num_blocks:
-                    continue
-                uncached, cached, s = prof.prefill(n, p)
-                prefill.append([uncached, cached, s])
-                log.info("prefill %5d new after %5d cached: %.4f s", uncached, cached, s)
         for b in grid.decode_batch:
             for c in grid.decode_context:
                 if c + grid.decode_steps + 1 >= limit or b * -(-(c + grid.decode_steps + 1) // bs) > num_blocks:
