@@ -30,7 +30,7 @@ def test_only_weights_on_a_4_bit_grid_are_taken():
     assert FourBitPair.of(q4_1_weight(64, 128, seed=1)[:, :100]) is None  # not groups of 32
     assert FourBitPair.of(q4_1_weight(72, 128, seed=1)[:40]) is None  # not rows in 16s
     # any weight, when asked for a lossy copy (a scorer whose picks are rescored in fp32)
-    lossy = FourBitPair.of(torch.randn(64, 128) * 0.02, exact=False)
+    lossy = FourBitPair.of(torch.randn(64, 128) * 0.02, lossy_ok=True)
     assert lossy is not None and lossy.fine is None
 
 

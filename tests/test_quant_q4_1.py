@@ -65,18 +65,36 @@ def test_int4_reproduces_the_q4_1_weights_exactly(tmp_path: Path, bpe_vocab: Voc
     assert checked == 2 * 4  # per layer: qkv, o, gate_up, down (the 300-row head stays fp32: rows in 16s)
 
 
-def test_bf16_weights_of_a_q4_1_gguf_are_found_on_the_grid(tmp_path: Path, bpe_vocab: Vocab) -> None:
-    """The bf16 path (the default where the CPU has native bf16) keeps such weights as 4 bits too, for
-    one-row steps (engine/four_bit.py); any other checkpoint's are not on a grid and stay bf16 only."""
+def test_the_weights_of_a_q4_1_gguf_are_found_on_the_grid_and_no_others(tmp_path: Path, bpe_vocab: Vocab) -> None:
+    """What the bf16 path (the default where the CPU has native bf16) keeps as 4 bits too, for one-row
+    steps (engine/four_bit.py): a Q4_1 file's weights as the loader gives them; any other checkpoint's
+    are not on a grid and stay bf16 only. The same files through the bf16 engine: the next test."""
+    from mooncaked.engine.four_bit import FourBitPair
+
+    kw = dict(dtype="float32", block_size=4, kv_cache_bytes=4 << 20, cache_dir=tmp_path / "cache")
+    for path, want in _grid_and_plain_gguf(tmp_path, bpe_vocab):
+        model = Engine.from_pretrained(path, **kw).runner.model
+        found = [FourBitPair.of(m.weight) is not None for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) and "layers." in n]
+        assert len(found) == 2 * 4 and sum(found) == want, path
+
+
+def _grid_and_plain_gguf(tmp_path: Path, bpe_vocab: Vocab) -> list[tuple[Path, int]]:
+    """A Q4_1 GGUF on the grid and an F32 one of the same model, each with how many of its 2 layers x 4
+    linear weights are on a 4-bit grid."""
+    on_grid = write_gguf(tmp_path / "q4_1.gguf", _on_q4_1_grid(tiny_llama(seed=3), seed=4), bpe_vocab, Q.Q4_1)
+    plain = write_gguf(tmp_path / "f32.gguf", tiny_llama(seed=3), bpe_vocab, Q.F32)
+    return [(on_grid, 2 * 4), (plain, 0)]
+
+
+def test_the_bf16_engine_reads_a_q4_1_ggufs_weights_as_4_bits(tmp_path: Path, bpe_vocab: Vocab) -> None:
     from mooncaked.engine.bf16_weights import Bf16Linear
     from test_engine_precision import NO_BF16_HERE
 
-    if NO_BF16_HERE is not None:
+    if NO_BF16_HERE is not None:  # bf16 weights need oneDNN's bf16 GEMM on this CPU
         pytest.skip(NO_BF16_HERE)
     kw = dict(dtype="float32", quantize="bf16", block_size=4, kv_cache_bytes=4 << 20, cache_dir=tmp_path / "cache")
-    on_grid = write_gguf(tmp_path / "q4_1.gguf", _on_q4_1_grid(tiny_llama(seed=3), seed=4), bpe_vocab, Q.Q4_1)
-    plain = write_gguf(tmp_path / "f32.gguf", tiny_llama(seed=3), bpe_vocab, Q.F32)
-    for path, want in ((on_grid, 2 * 4), (plain, 0)):
+    for path, want in _grid_and_plain_gguf(tmp_path, bpe_vocab):
         engine = Engine.from_pretrained(path, **kw)
         layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, Bf16Linear)}
         assert sum(m.four_bit is not None for n, m in layers.items() if "layers." in n) == want, path

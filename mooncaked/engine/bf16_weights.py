@@ -59,12 +59,15 @@ class Bf16Linear(nn.Module):
     Weights already on a 4-bit grid (a Q4 GGUF's) are also held as 4 bits, read by one-row calls
     (engine/four_bit.py): there a step's time is the bytes of weights it reads."""
 
-    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None, lossy_four_bit: bool = False) -> None:
+        """``lossy_four_bit``: weights off the grid get a lossy 4-bit copy too (a scorer whose picks are
+        rescored in fp32)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = out_dtype or linear.weight.dtype
         self.weight = PackedBf16(linear.weight)
-        self.four_bit = FourBitPair.of(linear.weight) if self.weight.packed is not None else None
+        # only where torch has oneDNN: the CPUs the bf16 path was measured on
+        self.four_bit = FourBitPair.of(linear.weight, lossy_four_bit) if self.weight.packed is not None else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,13 +90,9 @@ class CandidateHead(nn.Module):
         if linear.bias is not None:
             raise ValueError("a vocabulary head with a bias is not supported")
         self.weight = linear.weight  # fp32, shared
-        if cheap is None:
-            cheap = Bf16Linear(linear, torch.float32)
-            if cheap.four_bit is None and cheap.weight.packed is not None:
-                # it only picks candidates that are then rescored in fp32: 4 bits off the grid serve
-                # (the default model's tied head, 57 MB a step in bf16; no greedy token changed)
-                cheap.four_bit = FourBitPair.of(linear.weight, exact=False)
-        self.cheap = cheap
+        # it only picks candidates that are then rescored in fp32: 4 bits off the grid serve (the default
+        # model's tied head, 57 MB a step in bf16; no greedy token changed)
+        self.cheap = cheap if cheap is not None else Bf16Linear(linear, torch.float32, lossy_four_bit=True)
         self.k = min(k, linear.out_features)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:

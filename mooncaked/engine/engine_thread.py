@@ -10,8 +10,13 @@ built on one thread and stepped on another ran each decode-step linear layer in 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Callable
 from typing import TypeVar
+
+import torch
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -22,12 +27,20 @@ def new_engine_thread() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=THREAD_NAME)
 
 
-def build_on_engine_thread(make: Callable[[concurrent.futures.ThreadPoolExecutor], T]) -> T:
+def build_on_engine_thread(make: Callable[[concurrent.futures.ThreadPoolExecutor], T], threads: int = 0) -> T:
     """``make(thread)`` run on a new engine thread, which it hands to the engine it builds (blocks;
-    from async code, call it through ``run_in_executor``: the waiting thread does no torch work)."""
+    from async code, call it through ``run_in_executor``: the waiting thread does no torch work).
+    ``threads``: torch's CPU threads for the process, set there first (0: torch's own choice)."""
+
+    def build(thread: concurrent.futures.ThreadPoolExecutor) -> T:
+        if threads:
+            torch.set_num_threads(threads)
+        log.info("engine: %d torch threads", torch.get_num_threads())
+        return make(thread)
+
     thread = new_engine_thread()
     try:
-        return thread.submit(make, thread).result()
+        return thread.submit(build, thread).result()
     except BaseException:
         thread.shutdown(wait=False)
         raise

@@ -35,11 +35,17 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q.contiguous(), scale, lo + 8 * scale
 
 
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``(q - 8) * scale + zero`` per group of INT4_GROUP inputs, as fp32 [N, K]."""
+    n, k = q.shape
+    qg = q.float().reshape(n, k // INT4_GROUP, INT4_GROUP) - 8
+    return (qg * scale[..., None] + zero[..., None]).reshape(n, k)
+
+
 def on_grid(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
-    """Whether ``(q - 8) * scale + zero`` gives back ``w`` (to GRID_TOLERANCE of each group's step)."""
+    """Whether ``dequantize_int4(q, scale, zero)`` gives back ``w`` (to GRID_TOLERANCE of each group's step)."""
     n, k = w.shape
-    back = (q.float().reshape(n, k // INT4_GROUP, INT4_GROUP) - 8) * scale[..., None] + zero[..., None]
-    err = (back - w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)).abs().amax(-1)
+    err = (dequantize_int4(q, scale, zero) - w.float()).abs().reshape(n, k // INT4_GROUP, INT4_GROUP).amax(-1)
     return bool((err <= GRID_TOLERANCE * scale).all())
 
 
@@ -47,7 +53,6 @@ class FourBitPair:
     """A weight [N, K] on a 4-bit grid, as packed 4-bit values and two bf16 (scale, zero) pairs."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, exact: bool = True) -> None:
-        self.out_features = q.shape[0]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         coarse = torch.stack([scale, zero], dim=-1).to(torch.bfloat16)  # [N, K/g, 2]
         fine = (torch.stack([scale, zero], dim=-1) - coarse.float()).to(torch.bfloat16)
@@ -55,17 +60,27 @@ class FourBitPair:
         self.coarse = coarse.transpose(0, 1).contiguous()
         self.fine = fine.transpose(0, 1).contiguous() if exact else None
 
+    @property
+    def exact(self) -> bool:
+        """Whether it multiplies by the grid's own weights (two pairs), not a lossy copy (one)."""
+        return self.fine is not None
+
     @classmethod
-    def of(cls, weight: torch.Tensor, exact: bool = True) -> "FourBitPair | None":
-        """The 4-bit form of ``weight``, or None when it is not on a 4-bit grid of INT4_GROUP inputs
-        (or its shape or device does not fit the kernel). ``exact=False``: any weight, re-quantized to
-        4 bits with one bf16 pair (for a scorer whose choices are checked in fp32 anyway)."""
+    def of(cls, weight: torch.Tensor, lossy_ok: bool = False) -> "FourBitPair | None":
+        """The 4-bit form of ``weight`` when it is on a 4-bit grid of INT4_GROUP inputs (two pairs: exact);
+        else None, or with ``lossy_ok`` the weight re-quantized to 4 bits with one bf16 pair (for a scorer
+        whose choices are checked in fp32 anyway). None too where the shape or device does not fit."""
         w = weight.detach()
         n, k = w.shape
         if w.device.type != "cpu" or k % INT4_GROUP or n % INT4_ROWS:
             return None
+        # a first block of rows decides most checkpoints (bf16 or fp16 weights are never on a grid) without
+        # re-quantizing the whole weight at load
+        if not lossy_ok and not on_grid(w[:INT4_ROWS], *quantize_int4(w[:INT4_ROWS])):
+            return None
         q, scale, zero = quantize_int4(w)
-        if exact and not on_grid(w, q, scale, zero):
+        exact = on_grid(w, q, scale, zero)
+        if not exact and not lossy_ok:
             return None
         return cls(q, scale, zero, exact)
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.four_bit import INT4_GROUP, INT4_ROWS, quantize_int4  # noqa: F401 - re-exported
+from mooncaked.engine.four_bit import INT4_GROUP, INT4_ROWS, dequantize_int4, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +87,7 @@ class QuantLinear(nn.Module):
             return self.dense.to(dtype)
         if self.mode == "int8":
             return (self.q.to(dtype) * self.scale[:, None].to(dtype))
-        n, k = self.q.shape
-        qg = self.q.to(torch.float32).reshape(n, k // INT4_GROUP, INT4_GROUP) - 8
-        return (qg * self.scale[..., None] + self.zero[..., None]).reshape(n, k).to(dtype)
+        return dequantize_int4(self.q, self.scale, self.zero).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -192,9 +190,10 @@ def _dense_fits(model: nn.Module) -> bool:
 def _bf16_weights(model: nn.Module) -> int:
     # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
     count = _replace_linears(model, Bf16Linear, None)
-    layers = [m for m in model.modules() if isinstance(m, Bf16Linear)]
-    log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read "
-             "as 4 bits by one-row steps", sum(m.four_bit is not None for m in layers), len(layers))
+    four_bit = [m.four_bit for m in model.modules() if isinstance(m, Bf16Linear)]
+    log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read as "
+             "4 bits by one-row steps, %d more as lossy 4 bits (a head's scorer)", sum(f is not None and f.exact
+             for f in four_bit), len(four_bit), sum(f is not None and not f.exact for f in four_bit))
     return count
 
 

@@ -37,6 +37,11 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def engine_count(cfg: AllConfig) -> int:
+    """The engine processes ``cfg`` starts: every prefill instance's stages and every decode."""
+    return cfg.prefill_instances * cfg.pipeline_stages + cfg.decode_instances
+
+
 def engine_threads(engines: int, cores: int | None = None) -> int:
     """Torch threads per engine process when the user set none: the host's cores shared out (at least
     one each), or 0 (torch's own choice) when OMP_NUM_THREADS says. Measured on 2 cores, one request:
@@ -67,8 +72,7 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
                     transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_lmdb_path=lmdb,
                     threads=threads, **over)
 
-    engines = cfg.prefill_instances * cfg.pipeline_stages + cfg.decode_instances
-    threads = cfg.threads or engine_threads(engines)
+    threads = cfg.threads or engine_threads(engine_count(cfg))
 
     conductor = HostPort(host, cfg.listen.port)
     store = cfg.store or HostPort(host, free_port(host))
@@ -171,8 +175,7 @@ async def run_all_role(cfg: AllConfig) -> int:
               f"  try: mooncakectl --conductor {conductor}{tls} status\n"
               f"       mooncakectl --conductor {conductor}{tls} generate \"What is the capital of France?\"",
               flush=True)
-        engines = cfg.prefill_instances * cfg.pipeline_stages + cfg.decode_instances
-        ready = await _wait_ready(conductor, stopping, children, security, engines)
+        ready = await _wait_ready(conductor, stopping, children, security, engine_count(cfg))
         if ready is not None:
             names = ", ".join(f"{i.name} at {i.address}" for i in ready.instances)
             print(f"mooncaked all: cluster ready ({names})", flush=True)

@@ -17,8 +17,6 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from mooncaked.config import WorkerConfig
 from mooncaked.engine import Engine
 from mooncaked.engine.engine_thread import build_on_engine_thread
@@ -53,14 +51,9 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
                               io_process=cfg.transfer_io_process)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
-    def build(thread) -> Engine:
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        log.info("engine: %d torch threads", torch.get_num_threads())
-        return Engine(model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n), thread)
-
     # built on the thread that will step it: one OpenMP team in the process (engine/engine_thread.py)
-    engine = await loop.run_in_executor(None, build_on_engine_thread, build)
+    engine = await loop.run_in_executor(None, build_on_engine_thread, lambda thread: Engine(
+        model_dir, cfg.engine_config(), lambda n: transfer.alloc_region(KV_REGION, n), thread), cfg.threads)
     engine.start_driver(loop)
     with listening("--transfer-listen", cfg.transfer_listen):
         await transfer.start()
