@@ -88,3 +88,14 @@ def test_half_model_runs_in_float32_on_cpu_by_default(tiny_model_factory):
     ref = hf_logits(hf.float(), prompt)
     # large logits (scaled weights + biases): fp32 summation order shows at ~1e-5 relative
     torch.testing.assert_close(engine.score(prompt), ref, atol=1e-3, rtol=1e-3)
+
+
+def test_a_prefill_longer_than_the_mlps_row_chunk_matches_transformers(tiny_model_factory, monkeypatch):
+    """A long prefill runs its MLP a few rows at a time (models/llama.py MLP_CHUNK_ROWS): the same logits."""
+    import mooncaked.engine.models.llama as llama
+
+    monkeypatch.setattr(llama, "MLP_CHUNK_ROWS", 16)
+    hf, folder = tiny_model_factory("llama")
+    engine = _engine(folder)
+    prompt = random_prompts([70], seed=5)[0]  # 70 rows: four whole chunks of 16 and a part
+    torch.testing.assert_close(engine.score(prompt), hf_logits(hf, prompt), atol=2e-4, rtol=1e-4)

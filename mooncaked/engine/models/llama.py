@@ -21,6 +21,9 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 LayerHook = Callable[[int, AttentionMetadata], None]
 
+# prefill rows the MLP runs at once (engine/models/llama.py MLP.forward)
+MLP_CHUNK_ROWS = 512
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -75,6 +78,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MLP_CHUNK_ROWS:
+            return self._rows(x)
+        # a long prefill's [tokens, 2 * intermediate] activations, a few rows at a time: whole, they
+        # outgrow glibc's largest reused chunk (32 MB), so every layer mmaps and page-faults them anew
+        return torch.cat([self._rows(part) for part in x.split(MLP_CHUNK_ROWS)])
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
