@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
-from mooncaked.engine.four_bit import INT4_GROUP, FourBitPair, quantize_int4
+from mooncaked.engine.four_bit import FOUR_BIT_ROWS, INT4_GROUP, FourBitPair, quantize_int4
 from test_engine_precision import NO_BF16_HERE
 
 
@@ -61,14 +61,15 @@ def test_two_pairs_give_the_grids_own_weights():
 
 
 @pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
-def test_a_bf16_layer_reads_4_bits_for_one_row_only():
+def test_a_bf16_layer_reads_4_bits_for_a_few_rows_only():
     lin = nn.Linear(576, 256, bias=True)
     with torch.no_grad():
         lin.weight.copy_(q4_1_weight(256, 576, seed=3))
     layer = Bf16Linear(lin)
     assert layer.four_bit is not None
-    one, many = torch.randn(1, 576), torch.randn(5, 576)
+    one, few, many = torch.randn(1, 576), torch.randn(FOUR_BIT_ROWS, 576), torch.randn(FOUR_BIT_ROWS + 1, 576)
     torch.testing.assert_close(layer(one), layer.four_bit(one) + lin.bias, rtol=0, atol=0)
+    torch.testing.assert_close(layer(few), layer.four_bit(few) + lin.bias, rtol=0, atol=0)
     torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)
     plain = Bf16Linear(nn.Linear(576, 256))
     assert plain.four_bit is None

@@ -56,7 +56,7 @@ class Bf16Linear(nn.Module):
     """A drop-in for ``nn.Linear`` (forward only): bf16 weights, input rounded to bf16, output in
     ``out_dtype`` (default: the layer's own dtype; the bias is added there).
 
-    Weights already on a 4-bit grid (a Q4 GGUF's) are also held as 4 bits, read by one-row calls
+    Weights already on a 4-bit grid (a Q4 GGUF's) are also held as 4 bits, read by calls of a few rows
     (engine/four_bit.py): there a step's time is the bytes of weights it reads."""
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None, lossy_four_bit: bool = False) -> None:

@@ -1,5 +1,6 @@
 """Weights that already lie on a 4-bit grid (a Q4 GGUF's, as the default model's) read as 4 bits
-where a step is bound by reading them: a one-row (batch-1 decode) call.
+where a step is bound by reading them: a call of a few rows (a decode step of batch 1 to 4, a
+prefill of a few new tokens).
 
 Why: such a step reads every weight once, 269 MB a step for the default model in bf16 and about
 100 MB here. torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, as gpt-fast uses it) takes bf16
@@ -17,9 +18,11 @@ import torch
 
 INT4_GROUP = 32  # Q4_0/Q4_1 blocks: 32 inputs share a scale (and an offset)
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
-# rows at or below which a call reads the 4-bit weights (above, the bf16 GEMM's compute wins: measured
-# on a 2-vCPU AMX host, the int4 kernel is already slower at 2 rows than oneDNN's bf16 GEMM at 16)
-FOUR_BIT_ROWS = 1
+# rows at or below which a call reads the 4-bit weights; above, oneDNN's bf16 GEMM wins. Measured in the
+# engine on a 2-vCPU AMX host, where every step streams the weights from DRAM (docs/performance.md): decode
+# steps of batch 2 / 3 / 4 took 27.9 / 28.2 / 31.3 ms against 37.5 / 34.2 / 36.4 in bf16 (2 threads), batch
+# 6 49.4 against 39.4. (With the weights in cache, as a one-layer bench has them, bf16 wins from 2 rows.)
+FOUR_BIT_ROWS = 4
 # a weight is on the grid when re-quantizing it moves no value by more than this share of its group's step
 GRID_TOLERANCE = 1e-3
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.four_bit import INT4_GROUP, INT4_ROWS, dequantize_int4, quantize_int4
+from mooncaked.engine.four_bit import FOUR_BIT_ROWS, INT4_GROUP, INT4_ROWS, dequantize_int4, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +191,11 @@ def _bf16_weights(model: nn.Module) -> int:
     # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
     count = _replace_linears(model, Bf16Linear, None)
     four_bit = [m.four_bit for m in model.modules() if isinstance(m, Bf16Linear)]
+    exact = sum(f is not None and f.exact for f in four_bit)
+    lossy = sum(f is not None and not f.exact for f in four_bit)
     log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read as "
-             "4 bits by one-row steps, %d more as lossy 4 bits (a head's scorer)", sum(f is not None and f.exact
-             for f in four_bit), len(four_bit), sum(f is not None and not f.exact for f in four_bit))
+             "4 bits by calls of up to %d rows, %d more as lossy 4 bits (a head's scorer)",
+             exact, len(four_bit), FOUR_BIT_ROWS, lossy)
     return count
 
 
