@@ -21,7 +21,7 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 
 LayerHook = Callable[[int, AttentionMetadata], None]
 
-# prefill rows the MLP runs at once (engine/models/llama.py MLP.forward)
+# prefill rows the MLP runs at once on CPU (MLP.forward)
 MLP_CHUNK_ROWS = 512
 
 
@@ -78,10 +78,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_CHUNK_ROWS:
+        if x.shape[0] <= MLP_CHUNK_ROWS or x.device.type != "cpu":
             return self._rows(x)
-        # a long prefill's [tokens, 2 * intermediate] activations, a few rows at a time: whole, they
-        # outgrow glibc's largest reused chunk (32 MB), so every layer mmaps and page-faults them anew
+        # on CPU, a long prefill's [tokens, 2 * intermediate] activations a few rows at a time: whole, they
+        # outgrow glibc's largest reused chunk (32 MB), so every layer mmaps and page-faults them anew (a GPU
+        # keeps its own cache of blocks, and wants the big GEMM)
         return torch.cat([self._rows(part) for part in x.split(MLP_CHUNK_ROWS)])
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
