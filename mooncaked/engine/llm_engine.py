@@ -102,6 +102,7 @@ class StepSeq:
     start: int  # first token position computed in this step
     num_tokens: int  # tokens computed in this step
     finishes_prompt: bool
+    last_layer: int = -1  # the last of this engine's layers the step runs for it (its hook's last call)
 
 
 StepHook = Callable[[int, list[StepSeq]], None]
@@ -418,8 +419,10 @@ class Engine:
             return outputs
         hook = None
         if self.layer_hook is not None:
+            held = len(self.runner.model.layers)
             info = [StepSeq(s.seq.request_id, list(s.seq.block_table), s.seq.num_computed_tokens, s.num_new_tokens,
-                            s.samples and not s.seq.output_token_ids) for s in plan.scheduled]
+                            s.samples and not s.seq.output_token_ids,
+                            (s.seq.layers[1] if s.seq.layers is not None else held) - 1) for s in plan.scheduled]
             user_hook = self.layer_hook
             hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
         try:

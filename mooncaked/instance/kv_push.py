@@ -4,6 +4,7 @@ The engine calls ``on_layer`` on its own thread right after a layer wrote its K/
 step; we turn the token range that became ready into transfer ops and hand them to the
 event loop, so the bytes move while the next layer computes. Tokens already in the
 prefill's cache before the request (a prefix hit) go out with the first push of each layer.
+A small step (``SMALL_STEP_TOKENS``) sends its layers together, after the last one it runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from mooncaked.transfer import TransferEngine, TransferError, TransferOp
 log = logging.getLogger(__name__)
 
 KV_REGION = "kv"
+# a step that computes at most this many of the request's tokens pushes once, after its last layer: its KV
+# is small, and a submission per layer costs the engine's thread and loop more than the overlap gains (a few
+# new tokens after a cached prefix, one host: median TTFT 83-86 ms against 95, docs/performance.md)
+SMALL_STEP_TOKENS = 64
 
 
 def range_ops(local: KVLayout, remote: KVLayout, layer: int, local_blocks: list[int], remote_blocks: list[int],
@@ -66,6 +71,8 @@ class KVPush:
     layers: tuple[int, int] | None = None
     start_tokens: int = 0  # tokens the target holds already (a lead's own cached run): never written again
 
+    waiting: list[TransferOp] = field(default_factory=list)  # a small step's ops, until its last layer
+
     def __post_init__(self) -> None:
         self.pushed = [self.start_tokens] * self.local.num_layers
 
@@ -76,19 +83,26 @@ class KVPush:
         if not self.layerwise:
             if step.finishes_prompt and layer == self.local.num_layers - 1:
                 blocks = list(step.block_table)
-                for i in range(self.local.num_layers):
-                    self._push(i, blocks, 0, self.num_tokens)
+                self._send([op for i in range(self.local.num_layers) for op in self._ops(i, blocks, 0, self.num_tokens)])
             return
-        self._push(layer, list(step.block_table), self.pushed[layer], end)
+        self.waiting += self._ops(layer, list(step.block_table), self.pushed[layer], end)
+        if layer >= step.last_layer or step.num_tokens > SMALL_STEP_TOKENS:
+            self._send(self.waiting)
+            self.waiting = []
 
-    def _push(self, layer: int, blocks: list[int], start: int, end: int) -> None:
+    def _ops(self, layer: int, blocks: list[int], start: int, end: int) -> list[TransferOp]:
+        """The ops that push tokens [start, end) of one layer (none if there are none), counted as pushed."""
         if end <= start:
-            return
+            return []
         ops = range_ops(self.local, self.remote, layer, blocks, self.remote_blocks, start, end, self.peer,
                         layer + self.layer_offset)
         self.pushed[layer] = end
         self.bytes_sent += sum(op.length for op in ops)
-        self.loop.call_soon_threadsafe(self._submit, ops)
+        return ops
+
+    def _send(self, ops: list[TransferOp]) -> None:
+        if ops:
+            self.loop.call_soon_threadsafe(self._submit, ops)
 
     def _submit(self, ops: list[TransferOp]) -> None:
         if self.closed:  # the request ended: its decode blocks may be freed, nothing more may land there

@@ -1,0 +1,81 @@
+"""A prefill's KV push into a decode's blocks, over a real transfer engine pair on loopback: the bytes
+land where the decode's blocks are, one submission for a small step, one per layer for a big one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mooncaked.engine.kv_cache import KVLayout
+from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.instance.kv_push import KV_REGION, SMALL_STEP_TOKENS, KVPush
+from mooncaked.transfer import TransferEngine
+from transfer_helpers import run_uv
+
+LAYERS, BLOCK, HEADS, DIM = 3, 16, 2, 8
+
+
+def pools(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (LAYERS, 2, blocks, BLOCK, HEADS, DIM)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1)), torch.zeros(shape)
+
+
+async def push_one_step(tokens: int, last_layer: int = LAYERS - 1) -> tuple[KVPush, torch.Tensor, torch.Tensor,
+                                                                               list[int], list[int]]:
+    """Push ``tokens`` tokens computed in one step; returns the push, both pools and both block lists."""
+    blocks = -(-tokens // BLOCK)
+    src, dst = pools(2 * blocks + 1)
+    a, b = TransferEngine(), TransferEngine()
+    await a.start()
+    addr = await b.start()
+    try:
+        a.register(KV_REGION, src)
+        b.register(KV_REGION, dst)
+        local = list(range(blocks))
+        remote = list(range(blocks + 1, 2 * blocks + 1))  # elsewhere in the decode's pool
+        push = KVPush(a, asyncio.get_running_loop(), KVLayout.of(src), KVLayout.of(dst), addr, remote, tokens)
+        step = StepSeq("r", local, 0, tokens, True, last_layer)
+
+        def engine_thread() -> None:  # the engine's layer hook runs on the engine's thread
+            for layer in range(last_layer + 1):
+                push.on_layer(layer, step)
+
+        await asyncio.to_thread(engine_thread)
+        await push.wait(20)
+        return push, src, dst, local, remote
+    finally:
+        await a.close()
+        await b.close()
+
+
+def landed(src: torch.Tensor, dst: torch.Tensor, local: list[int], remote: list[int], tokens: int,
+           layers: range) -> bool:
+    """Whether the first ``tokens`` of each layer in ``layers`` are in the decode's blocks."""
+    got = dst[:, :, remote].flatten(2, 3)[:, :, :tokens]
+    want = src[:, :, local].flatten(2, 3)[:, :, :tokens]
+    return all(torch.equal(got[i], want[i]) for i in layers)
+
+
+@pytest.mark.timeout(60)
+def test_a_small_step_pushes_every_layer_in_one_submission_after_its_last():
+    push, src, dst, local, remote = run_uv(push_one_step(SMALL_STEP_TOKENS - 3))
+    assert len(push.tasks) == 1
+    assert push.complete and landed(src, dst, local, remote, SMALL_STEP_TOKENS - 3, range(LAYERS))
+
+
+@pytest.mark.timeout(60)
+def test_a_big_step_pushes_each_layer_as_it_is_computed():
+    push, src, dst, local, remote = run_uv(push_one_step(SMALL_STEP_TOKENS + 5))
+    assert len(push.tasks) == LAYERS
+    assert push.complete and landed(src, dst, local, remote, SMALL_STEP_TOKENS + 5, range(LAYERS))
+
+
+@pytest.mark.timeout(60)
+def test_a_small_step_that_runs_some_layers_pushes_them_after_the_last_it_runs():
+    """An elastic stage's step ends at its own last layer: what it computed goes out there."""
+    push, src, dst, local, remote = run_uv(push_one_step(10, last_layer=1))
+    assert len(push.tasks) == 1
+    assert landed(src, dst, local, remote, 10, range(2))
+    assert not torch.any(dst[2])  # the layer it did not run is not pushed
