@@ -22,9 +22,10 @@ def pools(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1)), torch.zeros(shape)
 
 
-async def push_one_step(tokens: int, last_layer: int = LAYERS - 1) -> tuple[KVPush, torch.Tensor, torch.Tensor,
-                                                                               list[int], list[int]]:
-    """Push ``tokens`` tokens computed in one step; returns the push, both pools and both block lists."""
+async def push_steps(tokens: int, steps: list[tuple[int, int]], last_layer: int = LAYERS - 1,
+                     layerwise: bool = True) -> tuple[KVPush, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Push a ``tokens``-token prompt computed in ``steps`` (start, count) in order; returns the push, both
+    pools and both block lists."""
     blocks = -(-tokens // BLOCK)
     src, dst = pools(2 * blocks + 1)
     a, b = TransferEngine(), TransferEngine()
@@ -35,12 +36,14 @@ async def push_one_step(tokens: int, last_layer: int = LAYERS - 1) -> tuple[KVPu
         b.register(KV_REGION, dst)
         local = list(range(blocks))
         remote = list(range(blocks + 1, 2 * blocks + 1))  # elsewhere in the decode's pool
-        push = KVPush(a, asyncio.get_running_loop(), KVLayout.of(src), KVLayout.of(dst), addr, remote, tokens)
-        step = StepSeq("r", local, 0, tokens, True, last_layer)
+        push = KVPush(a, asyncio.get_running_loop(), KVLayout.of(src), KVLayout.of(dst), addr, remote, tokens,
+                      layerwise=layerwise)
 
         def engine_thread() -> None:  # the engine's layer hook runs on the engine's thread
-            for layer in range(last_layer + 1):
-                push.on_layer(layer, step)
+            for start, n in steps:
+                step = StepSeq("r", local, start, n, start + n == tokens, last_layer)
+                for layer in range(last_layer + 1):
+                    push.on_layer(layer, step)
 
         await asyncio.to_thread(engine_thread)
         await push.wait(20)
@@ -48,6 +51,12 @@ async def push_one_step(tokens: int, last_layer: int = LAYERS - 1) -> tuple[KVPu
     finally:
         await a.close()
         await b.close()
+
+
+async def push_one_step(tokens: int, last_layer: int = LAYERS - 1) -> tuple[KVPush, torch.Tensor, torch.Tensor,
+                                                                               list[int], list[int]]:
+    """Push ``tokens`` tokens computed in one step."""
+    return await push_steps(tokens, [(0, tokens)], last_layer)
 
 
 def landed(src: torch.Tensor, dst: torch.Tensor, local: list[int], remote: list[int], tokens: int,
@@ -79,3 +88,13 @@ def test_a_small_step_that_runs_some_layers_pushes_them_after_the_last_it_runs()
     assert len(push.tasks) == 1
     assert landed(src, dst, local, remote, 10, range(2))
     assert not torch.any(dst[2])  # the layer it did not run is not pushed
+
+
+@pytest.mark.timeout(60)
+def test_push_after_prefill_sends_the_whole_prompt_once_after_its_last_step():
+    tokens = 2 * SMALL_STEP_TOKENS + 10  # chunks big enough to push layer by layer, were it layer-wise
+    push, src, dst, local, remote = run_uv(push_steps(tokens, [(0, SMALL_STEP_TOKENS + 5),
+                                                               (SMALL_STEP_TOKENS + 5, SMALL_STEP_TOKENS + 5)],
+                                                      layerwise=False))
+    assert len(push.tasks) == 1
+    assert push.complete and landed(src, dst, local, remote, tokens, range(LAYERS))

@@ -19,9 +19,10 @@ import torch
 INT4_GROUP = 32  # Q4_0/Q4_1 blocks: 32 inputs share a scale (and an offset)
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # rows at or below which a call reads the 4-bit weights; above, oneDNN's bf16 GEMM wins. Measured in the
-# engine on a 2-vCPU AMX host, where every step streams the weights from DRAM (docs/performance.md): decode
-# steps of batch 2 / 3 / 4 took 27.9 / 28.2 / 31.3 ms against 37.5 / 34.2 / 36.4 in bf16 (2 threads), batch
-# 6 49.4 against 39.4. (With the weights in cache, as a one-layer bench has them, bf16 wins from 2 rows.)
+# engine on a 2-vCPU AMX host, where every step streams the weights from DRAM (docs/performance.md, "The AMX
+# host again"): decode steps of batch 2 / 3 / 4 took 26.7 / 28.9 / 33.1 ms against 35.1 / 35.9 / 36.2 in bf16
+# (2 threads), batch 5 50.9 against 40.4. (With the weights in cache, as a one-layer bench has them, bf16 wins
+# from 2 rows.)
 FOUR_BIT_ROWS = 4
 # a weight is on the grid when re-quantizing it moves no value by more than this share of its group's step
 GRID_TOLERANCE = 1e-3

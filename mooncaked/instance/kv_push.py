@@ -55,7 +55,7 @@ class KVPush:
     peer: str
     remote_blocks: list[int]
     num_tokens: int
-    layerwise: bool = True  # False: push everything once the prompt is done (the baseline)
+    layerwise: bool = True  # False: push everything once the prompt is done, in one batch (the baseline)
     pushed: list[int] = field(default_factory=list)  # per layer: tokens pushed so far
     tasks: list[asyncio.Future] = field(default_factory=list)
     bytes_sent: int = 0
@@ -71,7 +71,7 @@ class KVPush:
     layers: tuple[int, int] | None = None
     start_tokens: int = 0  # tokens the target holds already (a lead's own cached run): never written again
 
-    waiting: list[TransferOp] = field(default_factory=list)  # a small step's ops, until its last layer
+    waiting: list[TransferOp] = field(default_factory=list)  # ops not sent yet (a small step's, or the prompt's)
 
     def __post_init__(self) -> None:
         self.pushed = [self.start_tokens] * self.local.num_layers
@@ -80,13 +80,11 @@ class KVPush:
         """Engine thread: the layer now holds KV for tokens up to step.start + step.num_tokens."""
         end = min(step.start + step.num_tokens, self.num_tokens)
         self.block_table = step.block_table
-        if not self.layerwise:
-            if step.finishes_prompt and layer == self.local.num_layers - 1:
-                blocks = list(step.block_table)
-                self._send([op for i in range(self.local.num_layers) for op in self._ops(i, blocks, 0, self.num_tokens)])
-            return
         self.waiting += self._ops(layer, list(step.block_table), self.pushed[layer], end)
-        if layer >= step.last_layer or step.num_tokens > SMALL_STEP_TOKENS:
+        at_last = layer >= step.last_layer
+        # layer-wise: each layer at once, but a small step's layers together; else the whole prompt at its end
+        due = (at_last or step.num_tokens > SMALL_STEP_TOKENS) if self.layerwise else at_last and step.finishes_prompt
+        if due:
             self._send(self.waiting)
             self.waiting = []
 
