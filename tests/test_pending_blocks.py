@@ -5,6 +5,9 @@ the ``mooncaked`` policy sees a prefix still being computed live as it does in s
 In-process (inproc_cluster.py): the conductor's core and real engine instances, no gRPC. A prefill
 held before it starts is a request queued behind a long one; heartbeats are sent by hand (``beat``)
 so the moment the KV events reach the prefix index is the test's to choose.
+
+The same holds for load: a heartbeat sent while a prefill computed reports its prompt as queued; until a
+heartbeat surely sent after the prefill returned, the conductor's own ledger is what is current.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 
 from inproc_cluster import BLOCK, Cluster, HeldPrefill, Unreachable
 from mooncaked.conductor.core import GenerateSpec
+from mooncaked.conductor.engine_link import Heartbeat, InstanceLoad
 from mooncaked.conductor.policies import make_policy
 from mooncaked.conductor.router import SETTLE_HEARTBEATS, cluster_view
 from mooncaked.engine import SamplingParams
@@ -83,6 +87,46 @@ async def test_a_failed_prefill_leaves_nothing_pending_and_the_retry_counts_wher
         for _ in range(SETTLE_HEARTBEATS):
             await c.beat()
         assert _views(c, FOLLOW_UP)["p2"] == (10, 0)
+    finally:
+        await c.close()
+
+
+async def test_a_heartbeat_older_than_a_finished_prefill_does_not_count_it_as_queued(folder):
+    """The elastic CPP process test's flake: a follow-up to a long prompt went to a cold instance, because
+    the lead's heartbeat from during its prefill still said 300 tokens were queued there."""
+    c = Cluster(folder, make_policy("mooncaked_static"))
+    try:
+        p1 = await c.serve("p1", "prefill", cls=HeldPrefill)
+        await c.serve("p2", "prefill")
+        await c.serve("d1", "decode")
+        total = c.layout.num_blocks
+
+        def beat(name: str, **load: int) -> None:  # what the engine reports while it works
+            c.conductor.heartbeat(Heartbeat(name, InstanceLoad(free_kv_blocks=total, total_kv_blocks=total, **load)))
+
+        def loads() -> dict[str, tuple[int, int]]:
+            hashes = block_hashes(FOLLOW_UP, BLOCK, c.conductor.hash_seed)
+            view = cluster_view(c.conductor.registry, c.conductor.index, hashes, c.conductor.scheduler)
+            return {**{p.name: (p.queued_tokens, p.queued_s > 0) for p in view.prefills},
+                    **{d.name: (len(d.batch), 0) for d in view.decodes}}
+
+        first = asyncio.ensure_future(_drain(c, PROMPT))
+        await p1.started.wait()
+        beat("p1", queued_prefill_tokens=len(PROMPT))
+        beat("d1", running_requests=1)
+        assert loads() == {"p1": (len(PROMPT), True), "p2": (0, False), "d1": (1, 0)}
+        p1.go.set()
+        assert len(await first) == 2
+        # both heartbeats are older than the end of the work they count: the ledgers (empty now) hold
+        assert loads() == {"p1": (0, False), "p2": (0, False), "d1": (0, 0)}
+        for _ in range(SETTLE_HEARTBEATS - 1):
+            beat("p1", queued_prefill_tokens=len(PROMPT))
+            beat("d1", running_requests=1)
+            assert loads() == {"p1": (0, False), "p2": (0, False), "d1": (0, 0)}  # may have left before the end
+        # later reports count again (work this conductor did not route: another's, or from before a restart)
+        beat("p1", queued_prefill_tokens=len(PROMPT))
+        beat("d1", running_requests=1)
+        assert loads() == {"p1": (len(PROMPT), True), "p2": (0, False), "d1": (1, 0)}
     finally:
         await c.close()
 

@@ -403,9 +403,13 @@ class PrefillBacklog:
     def start(self, request_id: str, now_s: float) -> None:
         self.running[request_id] = (self._unwait(request_id), now_s)
 
-    def finish(self, request_id: str) -> None:
-        if self.running.pop(request_id, None) is None:
-            self._unwait(request_id)
+    def finish(self, request_id: str) -> bool:
+        """The job ended (done, failed or dropped); whether it was booked here."""
+        if self.running.pop(request_id, None) is not None:
+            return True
+        booked = request_id in self.waiting
+        self._unwait(request_id)
+        return booked
 
     def seconds(self, now_s: float) -> float:
         left = sum(max(0.0, p - (now_s - t0)) for p, t0 in self.running.values())

@@ -168,6 +168,9 @@ class SchedulerState:
     pending: dict[str, PendingBlocks] = field(default_factory=dict)
     demand: PrefixDemand = field(default_factory=PrefixDemand)
     pipelines: dict[str, PipelineShape] = field(default_factory=dict)  # request id -> its elastic pipeline
+    # instance -> heartbeats still to hear before its reported load counts again: its last report may predate
+    # a prefill (or a decode sequence) of ours that ended since, and would show that work as still queued
+    stale_reports: dict[str, int] = field(default_factory=dict)
 
     def model(self, name: str, pipeline: PipelineMember | None = None, block_bytes: int = 0) -> InstanceModel:
         """An instance's fitted time model; a CPP group's head gets one of the whole pipeline (fill and
@@ -194,6 +197,16 @@ class SchedulerState:
         self.models.pop(name, None)
         self.backlogs.pop(name, None)
         self.pending.pop(name, None)
+        self.stale_reports.pop(name, None)
+
+    def reports_current(self, name: str) -> bool:
+        """Whether ``name``'s last heartbeat came after the end of every job of ours that ended there (else
+        its load figures still count that job: a prefill that returned as queued tokens, a finished decode
+        as a running sequence, and the conductor's own ledgers are what is current)."""
+        return name not in self.stale_reports
+
+    def _ended_on(self, name: str) -> None:
+        self.stale_reports[name] = SETTLE_HEARTBEATS  # the first heartbeat may have left before the end
 
     def pending_run(self, name: str, hashes: list[int] | tuple[int, ...]) -> int:
         """Leading blocks of ``hashes`` that prefills routed to ``name`` are computing (or just cached)."""
@@ -205,6 +218,9 @@ class SchedulerState:
         p = self.pending.get(name)
         if p is not None:
             p.heard()
+        left = self.stale_reports.pop(name, 0)
+        if left > 1:
+            self.stale_reports[name] = left - 1
 
     # -- the request's path ---------------------------------------------------------------
     def routed(self, request_id: str, route: Route, prompt_len: int, max_tokens: int,
@@ -229,8 +245,9 @@ class SchedulerState:
         ``cached=False`` (it failed): they are dropped at once. An elastic prefill's helpers are free
         again, and its measured time, the whole pipeline's, is scaled to one machine's by the schedule
         (``PipelinePrefillModel.observe``, as for a static group) before the lead's model sees it."""
-        for b in self.backlogs.values():  # the lead's, and its helpers' for an elastic prefill
-            b.finish(request_id)
+        for name, b in self.backlogs.items():  # the lead's, and its helpers' for an elastic prefill
+            if b.finish(request_id):
+                self._ended_on(name)
         shape = self.pipelines.pop(request_id, None)
         p = self.pending.get(prefill)
         if p is not None:
@@ -252,10 +269,13 @@ class SchedulerState:
     def finished(self, request_id: str) -> None:
         """The request ended: its decode sequence and queued prefill go; blocks of a prefill that
         returned settle as usual (they are cached), those of one that never ran are dropped."""
-        self.seqs.pop(request_id, None)
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self._ended_on(seq.decode)
         self.pipelines.pop(request_id, None)
-        for b in self.backlogs.values():
-            b.finish(request_id)
+        for name, b in self.backlogs.items():
+            if b.finish(request_id):
+                self._ended_on(name)
         for p in self.pending.values():
             if request_id not in p.settling:
                 p.drop(request_id)
@@ -271,10 +291,11 @@ class SchedulerState:
         self.model(name).transfer.observe(path, nbytes, seconds)
 
 
-def _decode_batch(d: Instance, known: list[_Seq], now: float) -> tuple[SeqLoad, ...]:
-    """The ledger's sequences on ``d``, plus placeholders for load the heartbeat shows and the ledger does not."""
+def _decode_batch(d: Instance, known: list[_Seq], now: float, reported: bool = True) -> tuple[SeqLoad, ...]:
+    """The ledger's sequences on ``d``, plus placeholders for load the heartbeat shows and the ledger does not
+    (``reported``: its last heartbeat is current, not older than a sequence of ours that finished there)."""
     out = [SeqLoad(s.context, s.remaining, s.joins_at_s) for s in known]
-    seen = d.load.running_requests + d.load.waiting_requests
+    seen = d.load.running_requests + d.load.waiting_requests if reported else 0
     extra = max(0, max(seen, d.inflight) - len(known))
     if extra:
         used = (d.load.total_kv_blocks - d.load.free_kv_blocks) * d.layout.block_size
@@ -295,7 +316,9 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
             continue
         model = state.model(p.name, p.pipeline, p.layout.whole_block_bytes)
         backlog = state.backlog(p.name)
-        reported = p.load.queued_prefill_tokens + (p.inflight * p.layout.block_size if stateless else 0)
+        # a heartbeat older than a prefill of ours that ended there still counts it: the backlog is current
+        reported = p.load.queued_prefill_tokens if state.reports_current(p.name) else 0
+        reported += p.inflight * p.layout.block_size if stateless else 0
         from_heartbeat = model.prefill.predict(reported, 0) if reported else 0.0
         prefills.append(InstanceView(
             p.name, "prefill", model, own_blocks=look.holders.get(p.name, 0),
@@ -308,7 +331,8 @@ def cluster_view(registry: Registry, index: PrefixIndex, hashes: list[int], stat
     for s in state.seqs.values():
         by_decode.setdefault(s.decode, []).append(s)
     decodes = [InstanceView(d.name, "decode", state.model(d.name, block_bytes=d.layout.whole_block_bytes),
-                            batch=_decode_batch(d, by_decode.get(d.name, []), now),
+                            batch=_decode_batch(d, by_decode.get(d.name, []), now,
+                                                state.reports_current(d.name)),
                             free_kv_blocks=d.load.free_kv_blocks, total_kv_blocks=d.load.total_kv_blocks)
                for d in registry.available("decode") if d.name not in exclude]
     return ClusterView(now, tuple(prefills), tuple(decodes), look.pool_source,
