@@ -23,3 +23,12 @@ def test_bench_store_json_small() -> None:
         assert ours[row]["mb_s"] > 0, row
     assert 0 <= ours["get_share_by_owner"] <= 1
     assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]
+    assert "tcp_ceilings" not in out  # no baseline, no ceiling to show
+
+
+def test_the_tcp_ceiling_is_the_baselines_p50_over_the_raw_floor() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_store import tcp_ceilings
+
+    mooncake = {"put": {"p50_ms": 0.8}, "get": {"p50_ms": 0.33}}
+    assert tcp_ceilings({"tcp_request_response_p50_ms": 0.25}, mooncake) == {"put": 3.2, "get": 1.32}

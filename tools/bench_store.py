@@ -472,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                          for name in systems}
         for name in systems:  # our single put with its commit behind, against Mooncake's single put
             out["ratios"][name]["put_commit_behind"] = round(out[name]["put_commit_behind"]["mb_s"] / mc["put"]["mb_s"], 2)
+        out["tcp_ceilings"] = tcp_ceilings(out["floors"], mc)
     else:
         out["mooncake"] = None
         out["baseline"] = f"baseline unavailable: {why}"
@@ -497,9 +498,21 @@ def main(argv: list[str] | None = None) -> int:
     f = out["floors"]
     print(f"floors, p50 per object: raw TCP request/response {f['tcp_request_response_p50_ms']:.3f} ms "
           f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")
+    if out.get("tcp_ceilings"):
+        c = out["tcp_ceilings"]
+        print(f"over TCP no single put or get can beat Mooncake's by more than put {c['put']:.2f}x, get {c['get']:.2f}x "
+              "here: its p50 over the raw request/response floor (each op moves its bytes once over loopback)")
     if out["mooncake"] is None:
         print(out["baseline"])
     return 0
+
+
+def tcp_ceilings(floors_ms: dict[str, float], mooncake: dict[str, Any]) -> dict[str, float]:
+    """The best single-op ratio over TCP this host allows: Mooncake's p50 over the raw floor (one request and
+    its object's bytes, blocking sockets, no framing), which any put or get over TCP pays at least once. Where
+    it is under an aim, the aim cannot be met on this host over TCP, whatever the store does."""
+    floor = floors_ms["tcp_request_response_p50_ms"]
+    return {op: round(mooncake[op]["p50_ms"] / floor, 2) for op in ("put", "get") if floor > 0}
 
 
 def phases(args: argparse.Namespace) -> int:
