@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -45,6 +46,18 @@ async def pool(*clients: tuple[str, dict], **policy) -> AsyncIterator[tuple[Mast
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def until(cond, what: str, timeout_s: float = 10.0) -> None:
+    """Wait until `cond()` holds (`what` it is waiting for shows in the timeout's traceback)."""
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def held(owner: StoreClient, key: str) -> None:
+    """The owner's journal has the key (the master's batch came): it serves it by key from now on."""
+    await until(lambda: owner.journal.find(key) is not None, f"{key} in the owner's journal")
 
 
 _OWNER = """

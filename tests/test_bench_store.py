@@ -22,6 +22,7 @@ def test_bench_store_json_small() -> None:
     for row in ("put", "put_commit_behind", "get", "batch_put", "batch_get"):
         assert ours[row]["mb_s"] > 0, row
     assert 0 <= ours["get_share_by_owner"] <= 1
+    assert ours["get_share_by_index"] == 0  # over TCP no reader maps the owner's index
     assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]
     assert "tcp_ceilings" not in out  # no baseline, no ceiling to show
 

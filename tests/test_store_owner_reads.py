@@ -11,7 +11,7 @@ import socket
 import subprocess
 
 import pytest
-from store_helpers import client, metric, owner_process, pool, start
+from store_helpers import client, held, metric, owner_process, pool, start, until
 
 from mooncaked.security import Security
 from mooncaked.store import Policy, StoreClient, StoreClientConfig
@@ -31,17 +31,6 @@ def owner_gets(outcome: str) -> float:
 
 def lookups() -> float:
     return sum(metric("mooncaked_store_lookups_total", result=r) for r in ("hit", "miss"))
-
-
-async def until(cond, what: str, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not cond():
-            await asyncio.sleep(0.01)
-
-
-async def held(owner, key: str) -> None:
-    """The owner's journal has the key (the master's batch came): it serves it by key from now on."""
-    await until(lambda: owner.journal.find(key) is not None, f"{key} in the owner's journal")
 
 
 async def test_a_get_whose_owner_is_known_is_served_by_the_owner_without_the_master():

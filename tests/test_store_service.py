@@ -214,7 +214,8 @@ async def test_a_get_copies_from_the_last_seen_place_and_keeps_only_the_committe
     key was removed and put again elsewhere gives a stale copy: never served, never counted as corrupt."""
     runner, addr = await start()
     owner = await client(addr, "owner", dram_bytes=1 << 20, transfer_backend="auto")
-    writer = await client(addr, "writer", transfer_backend="auto")
+    # the early copy during the lookup, not the owner's index (owner_index.py), which needs no lookup
+    writer = await client(addr, "writer", transfer_backend="auto", owner_reads=False)
     other = await client(addr, "other", transfer_backend="auto")
     try:
         a, b, a2 = (os.urandom(32 * KiB) for _ in range(3))

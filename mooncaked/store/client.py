@@ -32,7 +32,7 @@ from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
-from mooncaked.store import metrics
+from mooncaked.store import metrics, owner_index
 from mooncaked.store.commits_behind import CommitsBehind
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
@@ -45,6 +45,7 @@ from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
 from mooncaked.store.owner_link import OwnerLinks
+from mooncaked.store.owner_index import IndexView, IndexViews, OwnerIndex
 from mooncaked.store.owner_server import OwnerServer, ServeWindow
 from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
 from mooncaked.store.recent_writes import KEEP_S, RecentWrites
@@ -138,6 +139,8 @@ class StoreClient:
         self.owner_server: OwnerServer | None = None  # our DRAM's objects by key (owner_server.py)
         self._owner_links: OwnerLinks | None = None
         self._shm_host = ""  # our host id when shared memory reaches holders on it (they are read that way)
+        self._index: OwnerIndex | None = None  # our DRAM's keys for readers on this host (owner_index.py)
+        self._indexes: IndexViews | None = None  # owners' indexes on this host, mapped for our gets
         self._own_key_server = ""
         self._refilling: dict[Shape, asyncio.Task] = {}
         self._lmdb_thread = ThreadPoolExecutor(1, thread_name_prefix="store-lmdb")  # LMDB work, in order
@@ -163,11 +166,14 @@ class StoreClient:
             self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove, self._owner_links)
             if self.transfer.backend in ("shm", "auto"):
                 self._shm_host = self.transfer.info().host_id
+                if cfg.owner_reads and owner_index.supported():
+                    self._indexes = IndexViews()
         if cfg.dram_bytes and self.dram is None:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
             if cfg.owner_reads:
                 self.owner_server = OwnerServer(self.dram, self.journal, ServeWindow(), self.security.token)
                 self._own_key_server = await self.owner_server.start(host_of(self.transfer.address))
+                self._publish_index()
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
@@ -226,6 +232,12 @@ class StoreClient:
         await self._give_back(self._places.drain())
         if self.owner_server is not None:
             await self.owner_server.close()
+            if self._index is not None:
+                self.journal.index = self.owner_server.window.index = None
+                self._index.close()
+                self._index = None
+        if self._indexes is not None:
+            self._indexes.close()
         if self._owner_links is not None:
             self._owner_links.close()
         if self.mounts is not None:
@@ -750,6 +762,33 @@ class StoreClient:
                 return out[0]
         return (await self.batch_get([key]))[0]
 
+    def _publish_index(self) -> None:
+        """Publish our DRAM's keys and serve window in shared memory, for readers on this host
+        (owner_index.py): where shared memory reaches our DRAM and the CPU allows the table."""
+        assert self.dram is not None and self.owner_server is not None
+        region = self.transfer.info().regions.get(self.dram.name)
+        if not region or not region.shm_name or not owner_index.supported() or self._index is not None:
+            return
+        try:
+            self._index = OwnerIndex(region.shm_name, owner_index.slots_for(self.dram.nbytes))
+        except (OSError, TransferError) as e:
+            logger.warning("store client %s: no owner index in shared memory (%s); readers here ask the master",
+                           self.config.client_id, e)
+            return
+        self.journal.index = self.owner_server.window.index = self._index
+
+    def _vouched(self, piece: list[str]) -> list[tuple[str, Hint, IndexView, tuple[int, int]]]:
+        """The keys of `piece` an owner on this host lists in its index exactly as we last saw them."""
+        assert self._indexes is not None
+        out = []
+        for key, h in self._hints.pick(piece):
+            if h.shm_name and h.checksum and h.host_id == self._shm_host:
+                view = self._indexes.get(owner_index.index_name(h.shm_name))
+                token = view.vouch(key, h.offset, h.size, h.checksum) if view is not None else None
+                if token is not None:
+                    out.append((key, h, view, token))
+        return out
+
     def _owner_serves(self, h: Hint) -> bool:
         """Whether a get by key from this hint's owner is worth asking (not ourselves; shared memory does
         not reach it, where the early copy is cheaper; not skipped after a failure)."""
@@ -799,6 +838,13 @@ class StoreClient:
         release: tuple[int, list[str]] = (0, [])  # the last piece's lease, when the master wants it back
         while todo:
             piece, todo = todo[:step], todo[step:]
+            if self._indexes is not None:  # owners on this host that list it: no round trip at all
+                vouched = self._vouched(piece)
+                if vouched:
+                    served = await reader.from_index(call, vouched)
+                    piece = [k for k in piece if k not in served]
+                    if not piece:
+                        continue
             if ask_owners and reader.owners is not None:  # one round trip to the owners that hold what we know of
                 piece = await self._from_owners(call, piece)
                 if not piece:

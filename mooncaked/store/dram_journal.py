@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mooncaked.proto.mooncake.v1 import store_pb2
+from mooncaked.store.owner_index import OwnerIndex
 from mooncaked.store.records import ObjectRecord, checksum
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class DramJournal:
         self._at: dict[int, Held] = {}
         self._where: dict[str, int] = {}  # key -> its offset (a key re-put elsewhere replaces its old entry)
         self.applied = 0  # entries applied since start (tests wait on it)
+        self.index: OwnerIndex | None = None  # the same keys, published to readers on this host (owner_index.py)
 
     def __len__(self) -> int:
         return len(self._at)
@@ -49,7 +51,7 @@ class DramJournal:
                 if held is not None and held.key == e.key:
                     del self._at[e.offset]
                     if self._where.get(e.key) == e.offset:
-                        del self._where[e.key]
+                        self._unwhere(e.key)
 
     def note(self, key: str, offset: int, size: int, checksum: int) -> None:
         """An object now at `offset`: from the master's journal, or written here by this client itself
@@ -57,12 +59,14 @@ class DramJournal:
         at, where = self._at, self._where
         old = at.get(offset)
         if old is not None and old.key != key and where.get(old.key) == offset:
-            del where[old.key]
+            self._unwhere(old.key)
         prev = where.get(key)
         if prev is not None and prev != offset:
             del at[prev]
         at[offset] = Held(key, size, checksum)
         where[key] = offset
+        if self.index is not None:
+            self.index.put(key, offset, size, checksum)
 
     def find(self, key: str) -> tuple[int, Held] | None:
         """Where the key's committed copy is here, and what it holds (owner reads: owner_server.py)."""
@@ -98,8 +102,15 @@ class DramJournal:
     def clear(self) -> None:
         self._at.clear()
         self._where.clear()
+        if self.index is not None:
+            self.index.clear()
 
     def _drop(self, offset: int) -> None:
         held = self._at.pop(offset)
         if self._where.get(held.key) == offset:
-            del self._where[held.key]
+            self._unwhere(held.key)
+
+    def _unwhere(self, key: str) -> None:
+        del self._where[key]
+        if self.index is not None:
+            self.index.remove(key)

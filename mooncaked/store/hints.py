@@ -29,6 +29,7 @@ class Hint:
     checksum: int = 0  # as last seen: what an owner read by key asks for (the lookup's answer decides otherwise)
     key_server: str = ""  # where the holder serves reads by key (owner_server.py); "": it does not
     host_id: str = ""  # the holder's host (shared memory reaches it from the same host)
+    shm_name: str = ""  # the holder's segment in shared memory ("": none); its owner index is named after it
 
 
 class Hints:
@@ -43,7 +44,7 @@ class Hints:
             return
         e = replica.endpoint
         self._by_key[key] = Hint(e.address, e.region, replica.offset, size, checksum, e.key_server,
-                                  e.same_host_id)
+                                  e.same_host_id, e.shm_name)
         self._by_key.move_to_end(key)
         if len(self._by_key) > self.capacity:
             self._by_key.popitem(last=False)

@@ -85,7 +85,8 @@ OWNER_READS = Counter("mooncaked_store_owner_reads",
                       "not_held (removed, moved or re-put: the reader asks the master), window_closed.", ["outcome"])
 OWNER_GETS = Counter("mooncaked_store_client_owner_gets",
                      "Gets this client asked an object's owner for directly, by outcome: hit, fallback (the owner "
-                     "did not serve it, or its bytes failed the checksum: read through the master).", ["outcome"])
+                     "did not serve it, or its bytes failed the checksum: read through the master), index (served "
+                     "on the owner's host from its shared-memory index, no round trip).", ["outcome"])
 TIER_TASKS = Counter("mooncaked_store_tier_tasks", "Tier moves a client carried out.", ["kind", "result"])
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from mooncaked.store import metrics
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
+from mooncaked.store.owner_index import OwnerIndex
 from mooncaked.store.owner_wire import (NOT_HELD, REPLY, SERVED, STATUS_NAMES, WINDOW_CLOSED, WireError,
                                         read_requests)
 from mooncaked.store.guarded_conn import GuardedConnection
@@ -54,29 +55,42 @@ class ServeWindow:
     epoch: int = 0  # the master whose journal batches `applied` counts
     applied: int = 0
     touched: set[str] = field(default_factory=set)
+    until_ns: int = 0  # the same window in CLOCK_MONOTONIC ns, from the Ping's send (readers on this host)
+    index: OwnerIndex | None = None  # where readers on this host find the window (owner_index.py)
 
     def take_touched(self) -> list[str]:
         out, self.touched = list(self.touched), set()
-        return out
+        if self.index is not None:
+            out += self.index.take_touched(MAX_TOUCHED)
+        return out[:MAX_TOUCHED]
+
+    def _set_until(self, until: float, until_ns: int) -> None:
+        self.until, self.until_ns = until, until_ns
+        if self.index is not None:
+            self.index.set_window(until_ns)
 
     def open(self, now: float) -> bool:
         return now < self.until
 
     def close(self) -> None:
-        self.until = 0.0
+        self._set_until(0.0, 0)
 
     def restart(self) -> None:
         """A (re)mount: closed until a Ping vouches, and the master's numbering starts again."""
-        self.until, self.epoch, self.applied = 0.0, 0, 0
+        self._set_until(0.0, 0)
+        self.epoch, self.applied = 0, 0
 
     def journal_applied(self, epoch: int, seq: int) -> None:
         """A journal batch was applied (in stream order)."""
         if epoch != self.epoch:  # a new master: serve again only once its Ping vouches
-            self.epoch, self.until = epoch, 0.0
+            self.epoch = epoch
+            self._set_until(0.0, 0)
         self.applied = max(self.applied, seq)
 
-    def pinged(self, sent_at: float, known: bool, epoch: int, journal_seq: int, window_s: float) -> None:
-        """A Ping sent at `sent_at` (loop time) came back with this answer."""
+    def pinged(self, sent_at: float, known: bool, epoch: int, journal_seq: int, window_s: float,
+               sent_ns: int = 0) -> None:
+        """A Ping sent at `sent_at` (loop time; `sent_ns`: CLOCK_MONOTONIC ns, taken before the send)
+        came back with this answer."""
         if not known or window_s <= 0:
             self.close()
             return
@@ -86,7 +100,8 @@ class ServeWindow:
                 return
             self.epoch, self.applied = epoch, 0
         if self.applied >= journal_seq:
-            self.until = max(self.until, sent_at + window_s)
+            until_ns = max(self.until_ns, sent_ns + int(window_s * 1e9)) if sent_ns else self.until_ns
+            self._set_until(max(self.until, sent_at + window_s), until_ns)
 
 
 class OwnerServer:

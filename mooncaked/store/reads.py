@@ -37,6 +37,7 @@ from mooncaked.store import metrics
 from mooncaked.store.dram_segment import STAGING_REGION, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument
 from mooncaked.store.hints import Hint
+from mooncaked.store.owner_index import IndexView
 from mooncaked.store.owner_link import OwnerLinks, OwnerRead
 from mooncaked.store.owner_wire import NOT_HELD, SERVED
 from mooncaked.store.records import checksum
@@ -158,6 +159,28 @@ class Reader:
             metrics.hinted_read("used").inc()
         else:
             metrics.hinted_read("stale").inc()
+
+    # -- reads the owner's shared-memory index vouches for (owner_index.py) ---------------------------
+    async def from_index(self, call: GetCall, vouched: list[tuple[str, Hint, IndexView, tuple[int, int]]]) -> set[str]:
+        """Copy objects an owner on this host lists in its index, as last seen: served when the bytes hash
+        to the checksum and the entry is unchanged after the copy, with the owner's window still open.
+        Returns the keys served; the others take the master's path."""
+        served: set[str] = set()
+        async with AsyncExitStack() as stack:
+            early = await self.start_early(call, [(k, h) for k, h, _, _ in vouched], stack)
+            landed = dict(early.copies)
+            for _, items, task in early.reads:  # shared memory: each is a copy, done at once
+                if await task:
+                    landed.update((key, (h, landing)) for key, h, landing in items)
+            for key, h, view, (slot, seq) in vouched:
+                got = landed.get(key)
+                if got is None or checksum(got[1].view) != h.checksum or not view.still(slot, seq):
+                    continue
+                if self.hand_over(call, h, got[1], key):
+                    view.touch(slot)
+                    served.add(key)
+        metrics.owner_get("index").inc(len(served))
+        return served
 
     # -- reads by key from the owners -------------------------------------------------------------
     async def from_owners(self, call: GetCall, picked: list[tuple[str, Hint]]) -> tuple[set[str], set[str]]:

@@ -40,8 +40,8 @@ def check_private(shm_name: str, st: os.stat_result) -> None:
 
 
 
-def map_segment(shm_name: str, nbytes: int) -> mmap.mmap:
-    """Map the first `nbytes` of a segment of ours (checked as check_private checks), shared."""
+def map_segment(shm_name: str, nbytes: int | None = None) -> mmap.mmap:
+    """Map the first `nbytes` of a segment of ours (None: all of it; checked as check_private checks), shared."""
     try:
         fd = os.open(segment_path(shm_name), os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError as e:
@@ -51,8 +51,10 @@ def map_segment(shm_name: str, nbytes: int) -> mmap.mmap:
     try:
         st = os.fstat(fd)
         check_private(shm_name, st)
-        if st.st_size < nbytes:
-            raise TransferError(f"shm segment {shm_name} has {st.st_size} bytes, expected {nbytes}")
+        if nbytes is None:
+            nbytes = st.st_size
+        if st.st_size < nbytes or not nbytes:
+            raise TransferError(f"shm segment {shm_name} has {st.st_size} bytes, expected {nbytes or 'some'}")
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))  # no faults later
     finally:
         os.close(fd)
