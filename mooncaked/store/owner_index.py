@@ -231,10 +231,11 @@ class IndexView:
 
 
 class IndexViews:
-    """A reader's mapped tables by name (at most `capacity`, least recently used dropped); a table that
+    """A reader's mapped tables by name (at most `capacity`, least recently used dropped: a few owners
+    share a host, and a gone owner's table, ~3 MiB a GiB of DRAM, stays mapped until then); a table that
     could not be mapped is not tried again for `retry_s` (a get must not pay a failing open each time)."""
 
-    def __init__(self, capacity: int = 64, retry_s: float = 5.0) -> None:
+    def __init__(self, capacity: int = 16, retry_s: float = 5.0) -> None:
         self.capacity = capacity
         self.retry_s = retry_s
         self._views: OrderedDict[str, IndexView] = OrderedDict()
