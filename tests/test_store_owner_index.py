@@ -116,7 +116,7 @@ async def test_a_get_on_the_owners_host_is_copied_from_its_index_without_any_rou
         assert await writer.put("i/a", a) and await writer.put("i/b", b)
         await held(owner, "i/a")
         await held(owner, "i/b")
-        await until(lambda: owner.owner_server.window.until_ns > time.monotonic_ns(), "the owner's window open")
+        await until(owner.owner_server.window.open, "the owner's window open")
         served, asked = index_gets(), lookups()
         assert await writer.get("i/a") == a  # the writer knows the place and checksum from its put
         assert await writer.batch_get(["i/a", "i/b"]) == [a, b]
@@ -163,10 +163,10 @@ async def test_nothing_is_copied_from_the_index_once_the_owners_window_has_close
         a = os.urandom(16 * KiB)
         assert await writer.put("w/a", a)
         await held(owner, "w/a")
-        await until(lambda: owner.owner_server.window.until_ns > time.monotonic_ns(), "the owner's window open")
+        await until(owner.owner_server.window.open, "the owner's window open")
         assert await writer.get("w/a") == a
         await runner.stop()  # no more Pings answered: the window runs out
-        await until(lambda: owner.owner_server.window.until_ns < time.monotonic_ns(), "the window closed")
+        await until(lambda: not owner.owner_server.window.open(), "the window closed")
         served = index_gets()
         with pytest.raises(StoreUnavailable):  # not listed as servable; the master's path has no master
             await writer.get("w/a")

@@ -130,9 +130,9 @@ async def test_an_owner_that_lost_its_master_stops_serving_by_key(monkeypatch):
         a = os.urandom(16 * KiB)
         assert await writer.put("w/a", a)
         await held(owner, "w/a")
-        assert owner.owner_server.window.open(asyncio.get_running_loop().time())
+        assert owner.owner_server.window.open()
         await runner.stop()
-        await until(lambda: not owner.owner_server.window.open(asyncio.get_running_loop().time()), "window closed")
+        await until(lambda: not owner.owner_server.window.open(), "window closed")
         fallbacks = owner_gets("fallback")
         with pytest.raises(StoreUnavailable):  # the owner refuses; the master's path has no master
             await writer.get("w/a")

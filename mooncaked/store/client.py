@@ -767,7 +767,7 @@ class StoreClient:
         (owner_index.py): where shared memory reaches our DRAM and the CPU allows the table."""
         assert self.dram is not None and self.owner_server is not None
         region = self.transfer.info().regions.get(self.dram.name)
-        if not region or not region.shm_name or not owner_index.supported() or self._index is not None:
+        if not region or not region.shm_name or not owner_index.supported():
             return
         try:
             self._index = OwnerIndex(region.shm_name, owner_index.slots_for(self.dram.nbytes))

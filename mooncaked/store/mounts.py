@@ -122,14 +122,13 @@ class Mounts:
             # a second time: that would unmount the segments again and fail their tier moves.)
             self._remount.clear()
             try:
-                sent_ns = time.monotonic_ns()  # before the send, as `sent_at`: the window starts no later
-                sent_at = asyncio.get_running_loop().time()
+                sent_ns = time.monotonic_ns()  # before the send: the window starts no later than the master's
                 touched = self.window.take_touched() if self.window is not None else []
                 reply = await self._stub.Ping(store_pb2.PingRequest(client_id=self.client_id, touched=touched),
                                               timeout=self._timeout)
                 if self.window is not None:
-                    self.window.pinged(sent_at, reply.known and reply.master_epoch == self.epoch, reply.master_epoch,
-                                       reply.journal_seq, reply.serve_window_s, sent_ns)
+                    self.window.pinged(sent_ns, reply.known and reply.master_epoch == self.epoch, reply.master_epoch,
+                                       reply.journal_seq, reply.serve_window_s)
                 if down:
                     logger.info("store master reachable again")
                     down = False

@@ -35,7 +35,6 @@ oldest entry of it, which is then read the other ways.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import platform
 import struct
@@ -45,7 +44,7 @@ from collections import OrderedDict
 import xxhash
 
 from mooncaked.transfer.api import TransferError
-from mooncaked.transfer.shm_files import SEGMENT_MODE, map_segment, segment_path
+from mooncaked.transfer.shm_files import create_file, map_segment, segment_path
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +97,7 @@ class OwnerIndex:
         self.name = index_name(segment_shm_name)
         self.slots = slots
         self._path = segment_path(self.name)
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, SEGMENT_MODE)
-        try:
-            os.ftruncate(fd, _file_bytes(slots))
-            self._mm = mmap.mmap(fd, _file_bytes(slots), flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.unlink(self._path)
-            raise
-        finally:
-            os.close(fd)
+        self._mm = create_file(self.name, _file_bytes(slots))  # 0600, never over an existing name
         self._view = memoryview(self._mm)
         self._touched_at = HEADER_BYTES + slots * SLOT_BYTES
         HEADER.pack_into(self._view, 0, MAGIC, slots, 0)
@@ -117,9 +108,10 @@ class OwnerIndex:
 
     def put(self, key: str, offset: int, size: int, checksum: int) -> None:
         """The journal holds `key` at `offset` now (a new entry, or one that moved)."""
+        khash = key_hash(key)
         slot = self._slot_of.get(key)
         if slot is None:
-            bucket = (key_hash(key) & (self.slots // WAYS - 1)) * WAYS
+            bucket = (khash & (self.slots // WAYS - 1)) * WAYS
             ways = range(bucket, bucket + WAYS)
             slot = next((s for s in ways if self._key_at[s] is None), -1)
             if slot < 0:
@@ -129,7 +121,7 @@ class OwnerIndex:
                 del self._slot_of[self._key_at[slot]]  # type: ignore[arg-type]
             self._key_at[slot] = key
             self._slot_of[key] = slot
-        self._write(slot, key_hash(key), offset, size, checksum)
+        self._write(slot, khash, offset, size, checksum)
 
     def remove(self, key: str) -> None:
         """The journal no longer holds `key` (removed, evicted, moved away or forgotten)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from mooncaked.store import metrics
@@ -48,14 +49,15 @@ MAX_TOUCHED = 4096  # keys served by key reported with one ping at most (the res
 
 @dataclass(slots=True)
 class ServeWindow:
-    """Until when (loop time) this owner may serve reads by key, and what it has applied of whose journal;
-    and the keys it served since its last ping (reported with the next: the master's LRU counts them)."""
+    """Until when this owner may serve reads by key (CLOCK_MONOTONIC ns, which every process on the host
+    shares: readers of its shared-memory index check the same figure, owner_index.py), and what it has
+    applied of whose journal; and the keys it served since its last ping (reported with the next: the
+    master's LRU counts them)."""
 
-    until: float = 0.0
+    until_ns: int = 0
     epoch: int = 0  # the master whose journal batches `applied` counts
     applied: int = 0
     touched: set[str] = field(default_factory=set)
-    until_ns: int = 0  # the same window in CLOCK_MONOTONIC ns, from the Ping's send (readers on this host)
     index: OwnerIndex | None = None  # where readers on this host find the window (owner_index.py)
 
     def take_touched(self) -> list[str]:
@@ -64,33 +66,31 @@ class ServeWindow:
             out += self.index.take_touched(MAX_TOUCHED)
         return out[:MAX_TOUCHED]
 
-    def _set_until(self, until: float, until_ns: int) -> None:
-        self.until, self.until_ns = until, until_ns
+    def _set_until(self, until_ns: int) -> None:
+        self.until_ns = until_ns
         if self.index is not None:
             self.index.set_window(until_ns)
 
-    def open(self, now: float) -> bool:
-        return now < self.until
+    def open(self, now_ns: int | None = None) -> bool:
+        return (time.monotonic_ns() if now_ns is None else now_ns) < self.until_ns
 
     def close(self) -> None:
-        self._set_until(0.0, 0)
+        self._set_until(0)
 
     def restart(self) -> None:
         """A (re)mount: closed until a Ping vouches, and the master's numbering starts again."""
-        self._set_until(0.0, 0)
+        self._set_until(0)
         self.epoch, self.applied = 0, 0
 
     def journal_applied(self, epoch: int, seq: int) -> None:
         """A journal batch was applied (in stream order)."""
         if epoch != self.epoch:  # a new master: serve again only once its Ping vouches
             self.epoch = epoch
-            self._set_until(0.0, 0)
+            self._set_until(0)
         self.applied = max(self.applied, seq)
 
-    def pinged(self, sent_at: float, known: bool, epoch: int, journal_seq: int, window_s: float,
-               sent_ns: int = 0) -> None:
-        """A Ping sent at `sent_at` (loop time; `sent_ns`: CLOCK_MONOTONIC ns, taken before the send)
-        came back with this answer."""
+    def pinged(self, sent_ns: int, known: bool, epoch: int, journal_seq: int, window_s: float) -> None:
+        """A Ping sent at `sent_ns` (CLOCK_MONOTONIC, taken before the send) came back with this answer."""
         if not known or window_s <= 0:
             self.close()
             return
@@ -100,8 +100,7 @@ class ServeWindow:
                 return
             self.epoch, self.applied = epoch, 0
         if self.applied >= journal_seq:
-            until_ns = max(self.until_ns, sent_ns + int(window_s * 1e9)) if sent_ns else self.until_ns
-            self._set_until(max(self.until, sent_at + window_s), until_ns)
+            self._set_until(max(self.until_ns, sent_ns + int(window_s * 1e9)))
 
 
 class OwnerServer:
@@ -137,7 +136,7 @@ class OwnerServer:
 
     def answer(self, key: str, size: int, csum: int) -> tuple[int, memoryview | None]:
         """Status and, when served, the object's bytes in DRAM."""
-        if not self.window.open(asyncio.get_running_loop().time()):
+        if not self.window.open():
             return WINDOW_CLOSED, None
         found = self.journal.find(key)
         if found is None or found[1].size != size or found[1].checksum != csum:

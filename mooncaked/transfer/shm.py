@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
-from mooncaked.transfer.shm_files import SEGMENT_MODE, SHM_DIR, SHM_PREFIX, check_private, segment_path as _path
+from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX, check_private, create_file, segment_path as _path
 
 logger = logging.getLogger(__name__)
 
@@ -87,24 +87,9 @@ def create_segment(nbytes: int) -> ShmSegment:
     if nbytes <= 0:
         raise TransferError(f"shm region size must be positive, got {nbytes}")
     shm_name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    path = _path(shm_name)
     at = _trailer_at(nbytes)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
-    try:
-        os.fchmod(fd, SEGMENT_MODE)  # exactly owner read/write, whatever the umask took away
-        try:
-            os.posix_fallocate(fd, 0, at + PAGE)
-        except OSError as e:
-            raise TransferError(
-                f"cannot allocate {nbytes} bytes in {SHM_DIR}: {e}; "
-                "free space there or use a smaller region"
-            ) from e
-        tensor, view = _map(fd, at + PAGE)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
+    mm = create_file(shm_name, at + PAGE)
+    tensor, view = torch.frombuffer(mm, dtype=torch.uint8), memoryview(mm)  # both keep mm alive
     tensor[::PAGE].zero_()  # prefault: one write per page
     trailer = view[at : at + len(_LIVE)]
     trailer[:] = _LIVE

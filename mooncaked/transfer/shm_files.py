@@ -40,6 +40,27 @@ def check_private(shm_name: str, st: os.stat_result) -> None:
 
 
 
+def create_file(shm_name: str, nbytes: int) -> mmap.mmap:
+    """Create a new file of ours of `nbytes` (mode SEGMENT_MODE, never over an existing name), its pages
+    reserved now (posix_fallocate: a full /dev/shm fails here, not with SIGBUS at first touch), mapped
+    shared and prefaulted; on any failure the name is removed."""
+    path = segment_path(shm_name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
+    try:
+        os.fchmod(fd, SEGMENT_MODE)  # exactly owner read/write, whatever the umask took away
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            raise TransferError(f"cannot allocate {nbytes} bytes in {SHM_DIR}: {e}; "
+                                "free space there or use a smaller region") from e
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
 def map_segment(shm_name: str, nbytes: int | None = None) -> mmap.mmap:
     """Map the first `nbytes` of a segment of ours (None: all of it; checked as check_private checks), shared."""
     try:
