@@ -9,6 +9,7 @@ from torch import nn
 
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.four_bit import FOUR_BIT_ROWS, INT4_GROUP, FourBitPair, quantize_int4
+from mooncaked.engine.quant import Fp16Linear, Fp16Scorer, quantize_model
 from test_engine_precision import NO_BF16_HERE
 
 
@@ -89,3 +90,28 @@ def test_an_off_grid_head_scores_one_row_in_4_bits_and_its_best_in_fp32():
         top = head.cheap.four_bit(h).topk(8, dim=-1).indices
     torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
+def test_the_fp16_paths_head_scores_a_few_rows_in_4_bits_and_its_best_in_fp32():
+    torch.manual_seed(5)
+    linear = nn.Linear(64, 512, bias=False)
+    model = nn.Sequential()
+    model.lm_head = linear
+    assert quantize_model(model, "fp16", dense=False, four_bit_head=True) == 1
+    head = model.lm_head
+    assert isinstance(head, CandidateHead) and isinstance(head.cheap, Fp16Scorer)
+    assert head.cheap.four_bit is not None and head.cheap.four_bit.fine is None  # off the grid: lossy
+    few, many = torch.randn(FOUR_BIT_ROWS, 64), torch.randn(FOUR_BIT_ROWS + 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(head.cheap(few), head.cheap.four_bit(few), rtol=0, atol=0)
+        torch.testing.assert_close(head.cheap(many), head.cheap.fp16(many), rtol=0, atol=0)
+        for h in (few, many):  # the best candidates are fp32's own logits, whichever scorer picked them
+            want, got = linear(h), head(h)
+            top = head.cheap(h).topk(head.k, dim=-1).indices
+            torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    plain = nn.Sequential()
+    plain.lm_head = nn.Linear(64, 512, bias=False)
+    quantize_model(plain, "fp16", dense=False)  # without native bf16 the int4 kernel is slow: fp16 only
+    assert isinstance(plain.lm_head.cheap, Fp16Linear)

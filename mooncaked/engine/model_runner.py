@@ -19,7 +19,7 @@ from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
-from mooncaked.engine.precision import Precision, check_supported, cpu_flags
+from mooncaked.engine.precision import Precision, check_supported, cpu_flags, native_bf16
 from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
 from mooncaked.engine.scheduler import ScheduledSeq
@@ -68,7 +68,9 @@ class ModelRunner:
         self.model.rope.float()
         load_weights(self.model, model_cfg, model_dir, dtype)
         if precision.weights != "none":
-            n = quantize_model(self.model, precision.weights)
+            # torch's int4 kernel is fast only where the CPU multiplies bf16 natively (engine/four_bit.py)
+            four_bit_head = self.device.type == "cpu" and native_bf16(cpu_flags())
+            n = quantize_model(self.model, precision.weights, four_bit_head=four_bit_head)
             log.info("model runner: %d linear layers hold %s weights", n, precision.weights)
         self.model.eval()
         self.kv = KVCache.allocate(stage_config(model_cfg, self.stage), num_blocks, self.block_size, dtype,
