@@ -115,3 +115,62 @@ def test_the_fp16_paths_head_scores_a_few_rows_in_4_bits_and_its_best_in_fp32():
     plain.lm_head = nn.Linear(64, 512, bias=False)
     quantize_model(plain, "fp16", dense=False)  # without native bf16 the int4 kernel is slow: fp16 only
     assert isinstance(plain.lm_head.cheap, Fp16Linear)
+
+
+def _native_or_skip():
+    """The native 4-bit fp32 kernel (engine/native.py), or a skip that says why it cannot run here."""
+    from mooncaked.engine.native import q4_kernel, q4_unavailable
+
+    reason = q4_unavailable()
+    if reason is not None:
+        pytest.skip(f"native 4-bit kernel: {reason}")
+    kernel = q4_kernel()
+    assert kernel is not None, "the native 4-bit kernel failed to build on a CPU that can run it (see the log)"
+    return kernel
+
+
+def test_the_native_kernel_multiplies_fp32_activations_by_the_grids_own_weights():
+    from mooncaked.engine.four_bit import FourBitFp32, four_bit_form
+
+    kernel = _native_or_skip()
+    w = q4_1_weight(256, 576, seed=6)
+    form = four_bit_form(w)
+    assert isinstance(form, FourBitFp32) and form.exact
+    for rows in (1, 3, FOUR_BIT_ROWS, FOUR_BIT_ROWS + 3):  # any row count, 4 at a time
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ w.double().T
+        got = form(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 256)
+        # fp32 sums in another order than a GEMM's: ~1e-7 relative, where bf16 activations alone are ~4e-3
+        assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # a weight off the grid gets no exact form; a lossy copy (a scorer's) stays torch's int4 kernel's
+    assert four_bit_form(torch.randn(64, 128) * 0.02) is None
+    lossy = four_bit_form(torch.randn(64, 128) * 0.02, lossy_ok=True)
+    assert isinstance(lossy, FourBitPair) and not lossy.exact
+    bad = torch.zeros(2, 100)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel(bad, form.packed, form.scale, form.offset)
+
+
+@pytest.mark.skipif(NO_BF16_HERE is not None, reason=str(NO_BF16_HERE))
+def test_a_bf16_layer_on_the_grid_multiplies_in_fp32_in_a_small_step_only():
+    from mooncaked.engine.bf16_weights import fp32_step
+
+    _native_or_skip()
+    lin = nn.Linear(576, 256, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_weight(256, 576, seed=7))
+    layer = Bf16Linear(lin, keep_fp32=True)
+    assert layer.dense is not None
+    one, many = torch.randn(1, 576), torch.randn(40, 576)
+    with torch.no_grad():
+        want = lin(many)
+        with fp32_step():
+            torch.testing.assert_close(layer(many), want, rtol=0, atol=0)  # the fp32 weights themselves
+            torch.testing.assert_close(layer(one), lin(one), rtol=1e-5, atol=1e-5)  # the native kernel
+        torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)  # bf16
+        with fp32_step(False):
+            torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)
+    assert Bf16Linear(lin).dense is None  # not asked to keep them
+    off_grid = Bf16Linear(nn.Linear(576, 256), keep_fp32=True)
+    assert off_grid.dense is None  # few-row calls there are not exact: fp32 prefill alone would buy nothing

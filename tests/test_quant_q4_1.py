@@ -100,3 +100,42 @@ def test_the_bf16_engine_reads_a_q4_1_ggufs_weights_as_4_bits(tmp_path: Path, bp
         assert sum(m.four_bit is not None for n, m in layers.items() if "layers." in n) == want, path
         one = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         assert len(one.token_ids) == 4 and one.finish_reason == "length"
+
+
+def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_path: Path, bpe_vocab: Vocab) -> None:
+    """The default path on a Q4_1 GGUF where the native kernel runs: a step of a few sequences and few tokens
+    multiplies in fp32 (its prefill by the kept fp32 weights, its decodes by the 4-bit kernel with fp32
+    activations), so one prompt at a time gets the exact path's tokens; a batch of 16 runs bf16."""
+    from mooncaked.engine.bf16_weights import EXACT_ROWS, Bf16Linear
+    from mooncaked.engine.native import q4_kernel, q4_unavailable
+    from test_engine_precision import NO_BF16_HERE
+
+    if NO_BF16_HERE is not None:
+        pytest.skip(NO_BF16_HERE)
+    if q4_unavailable() is not None:
+        pytest.skip(f"native 4-bit kernel: {q4_unavailable()}")
+    assert q4_kernel() is not None
+    path = write_gguf(tmp_path / "q4_1.gguf", _on_q4_1_grid(tiny_llama(seed=3), seed=4), bpe_vocab, Q.Q4_1)
+    kw = dict(block_size=4, kv_cache_bytes=8 << 20, cache_dir=tmp_path / "cache")
+    exact = Engine.from_pretrained(path, dtype="float32", **kw)
+    fast = Engine.from_pretrained(path, dtype="float32", quantize="bf16", **kw)
+    layers = [m for n, m in fast.runner.model.named_modules() if isinstance(m, Bf16Linear) and "layers." in n]
+    assert len(layers) == 8 and all(m.dense is not None for m in layers)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 9, 17, EXACT_ROWS)]
+    for p in prompts:
+        assert fast.generate([p], params)[0].token_ids == exact.generate([p], params)[0].token_ids, len(p)
+
+    def gap(p: list[int]) -> float:
+        """How far the fast engine's best 16 logits (rescored in fp32 by its head) are from the exact one's."""
+        want, got = exact.score(p), fast.score(p)
+        top = want.topk(16, dim=-1).indices
+        return (got.gather(-1, top) - want.gather(-1, top)).abs().max().item()
+
+    # a prompt in one small step: the logits of fp32 weights (the head's bmm sums in its own order: ~1e-6);
+    # the same prompt scored in one step of EXACT_ROWS + 1 tokens goes through bf16, ~1000x further off
+    short = prompts[-1]
+    long = short + [7]
+    assert gap(short) < 1e-5
+    assert gap(long) > 1e-3

@@ -10,11 +10,17 @@ agreement on the default model (0.826, every layer 4-bit). So a layer holds two 
 add up to the grid's own weights (0.914), and what is left is the kernel's bf16 output rounding
 (docs/performance.md, "An AMX host"). Only weights found exactly on the grid qualify: re-quantizing
 any others would lose far more than bf16 does.
+
+Where our native kernel runs (engine/native.py: AVX-512), a weight on the grid is read by it instead
+(``FourBitFp32``): the same 4 bits, fp32 activations and fp32 sums, so a few-row call multiplies by the
+grid's weights and rounds nothing else; it is as fast as the int4 kernel here (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mooncaked.engine.native import Q4Linear, q4_kernel
 
 INT4_GROUP = 32  # Q4_0/Q4_1 blocks: 32 inputs share a scale (and an offset)
 INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
@@ -74,19 +80,8 @@ class FourBitPair:
         """The 4-bit form of ``weight`` when it is on a 4-bit grid of INT4_GROUP inputs (two pairs: exact);
         else None, or with ``lossy_ok`` the weight re-quantized to 4 bits with one bf16 pair (for a scorer
         whose choices are checked in fp32 anyway). None too where the shape or device does not fit."""
-        w = weight.detach()
-        n, k = w.shape
-        if w.device.type != "cpu" or k % INT4_GROUP or n % INT4_ROWS:
-            return None
-        # a first block of rows decides most checkpoints (bf16 or fp16 weights are never on a grid) without
-        # re-quantizing the whole weight at load
-        if not lossy_ok and not on_grid(w[:INT4_ROWS], *quantize_int4(w[:INT4_ROWS])):
-            return None
-        q, scale, zero = quantize_int4(w)
-        exact = on_grid(w, q, scale, zero)
-        if not exact and not lossy_ok:
-            return None
-        return cls(q, scale, zero, exact)
+        grid = grid_of(weight, lossy_ok)
+        return None if grid is None else cls(*grid)
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2`` [M, K] (rounded to bf16, as the bf16 path rounds it) times the weight, as fp32 [M, N]."""
@@ -94,3 +89,53 @@ class FourBitPair:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         y = mm(xb, self.packed, INT4_GROUP, self.coarse).float()
         return y if self.fine is None else y + mm(xb, self.packed, INT4_GROUP, self.fine)
+
+
+class FourBitFp32:
+    """A weight [N, K] on a 4-bit grid as packed 4-bit values and fp32 block scales and offsets, multiplied
+    with fp32 activations by the native kernel (csrc/q4_gemv.cpp): the grid's own weights, fp32 sums."""
+
+    exact = True
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: Q4Linear) -> None:
+        n, k = q.shape
+        blocks = q.reshape(n, k // INT4_GROUP, INT4_GROUP)
+        # byte j of a block: value j in the low nibble, value j + 16 in the high one (what the kernel unpacks)
+        half = INT4_GROUP // 2
+        self.packed = (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(n, k // 2).contiguous()
+        self.scale = scale.float().contiguous()
+        self.offset = (zero - 8 * scale).float().contiguous()  # w = scale * q + offset, q in 0..15
+        self.kernel = kernel
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2`` [M, K] times the weight, as fp32 [M, N] (nothing rounded to bf16)."""
+        return self.kernel(x2.float().contiguous(), self.packed, self.scale, self.offset)
+
+
+def grid_of(weight: torch.Tensor, lossy_ok: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool] | None:
+    """``(q, scale, zero, exact)`` of ``weight`` re-quantized to 4 bits: exact when it was on the grid; None
+    when it was not (unless ``lossy_ok``) or when the shape or device does not fit."""
+    w = weight.detach()
+    n, k = w.shape
+    if w.device.type != "cpu" or k % INT4_GROUP or n % INT4_ROWS:
+        return None
+    # a first block of rows decides most checkpoints (bf16 or fp16 weights are never on a grid) without
+    # re-quantizing the whole weight at load
+    if not lossy_ok and not on_grid(w[:INT4_ROWS], *quantize_int4(w[:INT4_ROWS])):
+        return None
+    q, scale, zero = quantize_int4(w)
+    exact = on_grid(w, q, scale, zero)
+    if not exact and not lossy_ok:
+        return None
+    return q, scale, zero, exact
+
+
+def four_bit_form(weight: torch.Tensor, lossy_ok: bool = False) -> "FourBitFp32 | FourBitPair | None":
+    """How few-row calls read ``weight`` as 4 bits: a weight on the grid by the native fp32 kernel where it
+    runs, else by torch's int4 kernel (FourBitPair, also for lossy copies); None: not at all."""
+    grid = grid_of(weight, lossy_ok)
+    if grid is None:
+        return None
+    q, scale, zero, exact = grid
+    kernel = q4_kernel() if exact else None  # built on first use: only a checkpoint on the grid pays for it
+    return FourBitFp32(q, scale, zero, kernel) if kernel is not None else FourBitPair(q, scale, zero, exact)

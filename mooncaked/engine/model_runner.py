@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mooncaked.engine.attention import AttentionMetadata, make_backend
+from mooncaked.engine.bf16_weights import EXACT_ROWS, fp32_step
 from mooncaked.engine.config import EngineConfig, ModelConfig
+from mooncaked.engine.four_bit import FOUR_BIT_ROWS
 from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
@@ -99,7 +101,10 @@ class ModelRunner:
             if missing:
                 raise ValueError(f"stage {self.stage}: no input hidden states for {missing}")
             x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
-        hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
+        # a small step (a lone short prompt, a few decodes) multiplies in fp32 where the layers can (bf16_weights)
+        small = len(batch) <= FOUR_BIT_ROWS and input_ids.shape[0] <= EXACT_ROWS
+        with fp32_step(small):
+            hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
         if not self.samples(layers):
             bounds = meta.cu_seqlens_q.tolist()
             out = {s.seq.request_id: hidden[bounds[k]:bounds[k + 1]] for k, s in enumerate(batch)}

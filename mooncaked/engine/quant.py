@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
+from mooncaked.engine.bf16_weights import EXACT_ROWS, Bf16Linear, CandidateHead
 from mooncaked.engine.config import ConfigError
 from mooncaked.engine.four_bit import (
     FOUR_BIT_ROWS,
     INT4_GROUP,
     INT4_ROWS,
+    FourBitFp32,
     FourBitPair,
     dequantize_int4,
     quantize_int4,
@@ -214,14 +215,19 @@ def _dense_fits(model: nn.Module) -> bool:
 
 
 def _bf16_weights(model: nn.Module) -> int:
-    # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement
-    count = _replace_linears(model, Bf16Linear, None)
+    # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement.
+    # Where few-row calls are exact (weights on a 4-bit grid, the native kernel), short prefills keep the fp32
+    # weights too, if they fit: a prompt's K/V without bf16 rounding is half of what keeps greedy tokens fp32's
+    keep = _dense_fits(model)
+    count = _replace_linears(model, lambda lin: Bf16Linear(lin, keep_fp32=keep), None)
     four_bit = [m.four_bit for m in model.modules() if isinstance(m, Bf16Linear)]
     exact = sum(f is not None and f.exact for f in four_bit)
     lossy = sum(f is not None and not f.exact for f in four_bit)
+    fp32 = sum(m.dense is not None for m in model.modules() if isinstance(m, Bf16Linear))
     log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read as "
-             "4 bits by calls of up to %d rows, %d more as lossy 4 bits (a head's scorer)",
-             exact, len(four_bit), FOUR_BIT_ROWS, lossy)
+             "4 bits by calls of up to %d rows, %d more as lossy 4 bits (a head's scorer); %d keep fp32 weights for "
+             "steps of up to %d tokens (native kernel: %s)", exact, len(four_bit), FOUR_BIT_ROWS, lossy, fp32, EXACT_ROWS,
+             "yes" if any(isinstance(f, FourBitFp32) for f in four_bit) else "no")
     return count
 
 

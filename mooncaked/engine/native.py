@@ -1,0 +1,88 @@
+"""Our one native kernel, built on first use with torch's C++ extension tooling and cached on disk.
+
+Why native code at all: a decode step of a few rows is bound by reading the weights, and the default
+model's weights lie on a 4-bit grid. torch's int4 kernel reads them as 4 bits only with bf16
+activations and bf16 output, whose rounding flips near-tied greedy tokens; with fp32 activations it
+is a scalar path ~30x slower (docs/performance.md). ``csrc/q4_gemv.cpp`` reads the same 4 bits with
+fp32 activations and fp32 sums, as fast as the bf16 path on an AVX-512 CPU.
+
+Built once per machine and source (``torch.utils.cpp_extension``: gcc, Python's headers, ninja from
+PyPI), ~20 s, then loaded from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
+Where it cannot be built or run (no AVX-512, no compiler, ``MOONCAKED_NATIVE=0``), ``q4_kernel()``
+returns None, logs why once, and callers keep torch's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mooncaked.engine.precision import cpu_flags
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "q4_gemv.cpp"
+# the instructions the kernel is compiled for (/proc/cpuinfo names)
+Q4_FLAGS = frozenset({"avx512f", "avx512bw"})
+# at::parallel_for splits work over torch's OpenMP threads only when the extension is built with OpenMP
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-fopenmp"]
+# a build lock older than this was left by a build that died: torch would wait on it forever
+STALE_LOCK_S = 600.0
+
+Q4Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def q4_unavailable(flags: frozenset[str] | None = None) -> str | None:
+    """Why the 4-bit fp32 kernel cannot run here (None when it can be tried)."""
+    if os.environ.get("MOONCAKED_NATIVE", "1") == "0":
+        return "MOONCAKED_NATIVE=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    missing = Q4_FLAGS - (cpu_flags() if flags is None else flags)
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    return None
+
+
+@functools.cache
+def q4_kernel() -> Q4Linear | None:
+    """``q4_linear(x, qp, d, m)`` (csrc/q4_gemv.cpp), or None where it is unavailable (logged once)."""
+    reason = q4_unavailable()
+    if reason is None:
+        try:
+            return _build().q4_linear
+        except Exception as e:  # a missing compiler, headers or ninja: the torch kernels still serve
+            reason = f"could not build it: {type(e).__name__}: {str(e).strip()[-400:]}"
+    log.info("native 4-bit kernel not used (%s): few-row steps use torch's int4 kernel", reason)
+    return None
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    try:  # the ninja wheel's binary, found without an activated virtualenv
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    source = SOURCE.read_bytes()
+    name = "mooncaked_q4_" + hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("native: removing a stale build lock %s", lock)
+        lock.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                                extra_cflags=CFLAGS, verbose=False)
+    log.info("native 4-bit kernel ready in %.1f s (%s)", time.perf_counter() - t0, build_dir)
+    return module
