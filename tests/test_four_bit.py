@@ -174,3 +174,19 @@ def test_a_bf16_layer_on_the_grid_multiplies_in_fp32_in_a_small_step_only():
     assert Bf16Linear(lin).dense is None  # not asked to keep them
     off_grid = Bf16Linear(nn.Linear(576, 256), keep_fp32=True)
     assert off_grid.dense is None  # few-row calls there are not exact: fp32 prefill alone would buy nothing
+
+
+def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_path, caplog):
+    """No compiler (or headers, or ninja) on a CPU that could run the kernel: a warning that says why, and
+    None, so that the layers keep torch's int4 kernel; nothing is raised and nothing waits."""
+    import logging
+
+    from mooncaked.engine import native
+
+    if native.q4_unavailable() is not None:
+        pytest.skip(f"native 4-bit kernel: {native.q4_unavailable()}")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="mooncaked.engine.native"):
+        assert native._q4_kernel_once.__wrapped__() is None  # past the cache: a fresh attempt
+    assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,9 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-fopenmp"]
 # a build lock older than this was left by a build that died: torch would wait on it forever
 STALE_LOCK_S = 600.0
 
+# engines built on their own threads in one process (--role all) ask at once: one builds and loads, the rest wait
+_BUILD_LOCK = threading.Lock()
+
 Q4Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -52,17 +56,24 @@ def q4_unavailable(flags: frozenset[str] | None = None) -> str | None:
     return None
 
 
-@functools.cache
 def q4_kernel() -> Q4Linear | None:
     """``q4_linear(x, qp, d, m)`` (csrc/q4_gemv.cpp), or None where it is unavailable (logged once)."""
+    with _BUILD_LOCK:
+        return _q4_kernel_once()
+
+
+@functools.cache
+def _q4_kernel_once() -> Q4Linear | None:
     reason = q4_unavailable()
-    if reason is None:
-        try:
-            return _build().q4_linear
-        except Exception as e:  # a missing compiler, headers or ninja: the torch kernels still serve
-            reason = f"could not build it: {type(e).__name__}: {str(e).strip()[-400:]}"
-    log.info("native 4-bit kernel not used (%s): few-row steps use torch's int4 kernel", reason)
-    return None
+    if reason is not None:
+        log.info("native 4-bit kernel not used (%s): few-row steps use torch's int4 kernel", reason)
+        return None
+    try:
+        return _build().q4_linear
+    except Exception as e:  # a missing compiler, headers or ninja: the torch kernels still serve
+        log.warning("native 4-bit kernel could not be built (%s: %s): few-row steps use torch's int4 kernel, "
+                    "whose bf16 activations flip near-tied greedy tokens", type(e).__name__, str(e).strip()[-400:])
+        return None
 
 
 def _build():
