@@ -143,6 +143,9 @@ def test_unset_with_none_and_bool_flags():
     assert cfg.kv_cache_bytes is None
     assert _load(["--role", "prefill", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert _load(["--role", "prefill"], {"MOONCAKED_ENABLE_PREFIX_CACHING": "off"}).enable_prefix_caching is False
+    assert _load(["--role", "decode"]).engine_config().exact_small_steps is True
+    off = _load(["--role", "decode", "--no-exact-small-steps"])
+    assert off.exact_small_steps is False and off.engine_config().exact_small_steps is False
 
 
 def test_name_and_advertise_address(monkeypatch):

@@ -139,3 +139,9 @@ def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_p
     long = short + [7]
     assert gap(short) < 1e-5
     assert gap(long) > 1e-3
+    # --no-exact-small-steps: no fp32 weights kept, a short prompt through bf16 as a long one
+    off = Engine.from_pretrained(path, dtype="float32", quantize="bf16", exact_small_steps=False, **kw)
+    assert not any(m.dense is not None for m in off.runner.model.modules() if isinstance(m, Bf16Linear))
+    want, got = exact.score(short), off.score(short)
+    top = want.topk(16, dim=-1).indices
+    assert (got.gather(-1, top) - want.gather(-1, top)).abs().max().item() > 1e-3

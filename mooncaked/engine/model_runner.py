@@ -60,6 +60,7 @@ class ModelRunner:
         self.device = torch.device(engine_cfg.device)
         self.dtype = dtype = precision.dtype
         self.block_size = engine_cfg.block_size
+        self.exact_small_steps = engine_cfg.exact_small_steps
         self.eos_token_ids: frozenset[int] = frozenset(model_cfg.eos_token_ids)
         scale = model_cfg.head_dim ** -0.5
         self.backend = make_backend(engine_cfg.attention_backend, self.device, self.block_size,
@@ -72,7 +73,8 @@ class ModelRunner:
         if precision.weights != "none":
             # torch's int4 kernel is fast only where the CPU multiplies bf16 natively (engine/four_bit.py)
             four_bit_head = self.device.type == "cpu" and native_bf16(cpu_flags())
-            n = quantize_model(self.model, precision.weights, four_bit_head=four_bit_head)
+            n = quantize_model(self.model, precision.weights, four_bit_head=four_bit_head,
+                               exact_small_steps=engine_cfg.exact_small_steps)
             log.info("model runner: %d linear layers hold %s weights", n, precision.weights)
         self.model.eval()
         self.kv = KVCache.allocate(stage_config(model_cfg, self.stage), num_blocks, self.block_size, dtype,
@@ -102,7 +104,7 @@ class ModelRunner:
                 raise ValueError(f"stage {self.stage}: no input hidden states for {missing}")
             x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
         # a small step (a lone short prompt, a few decodes) multiplies in fp32 where the layers can (bf16_weights)
-        small = len(batch) <= FOUR_BIT_ROWS and input_ids.shape[0] <= EXACT_ROWS
+        small = self.exact_small_steps and len(batch) <= FOUR_BIT_ROWS and input_ids.shape[0] <= EXACT_ROWS
         with fp32_step(small):
             hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
         if not self.samples(layers):

@@ -167,15 +167,16 @@ class Fp16Scorer(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True, dense: bool | None = None,
-                   four_bit_head: bool = False) -> int:
+                   four_bit_head: bool = False, exact_small_steps: bool = True) -> int:
     """Replace every ``nn.Linear`` of ``model`` (in place) whose input size fits ``mode``; returns
     how many. The embedding stays as it is: a tied lm_head gets its own quantized copy. ``dense``
     (QuantLinear, Fp16Linear): keep fp32 weights for prefill; None: where they fit in DENSE_SHARE of free memory.
-    ``four_bit_head`` (fp16): the head's scorer reads 4 bits for a few rows (Fp16Scorer; a CPU with native bf16)."""
+    ``four_bit_head`` (fp16): the head's scorer reads 4 bits for a few rows (Fp16Scorer; a CPU with native bf16).
+    ``exact_small_steps`` (bf16): keep the fp32 weights for the runner's small steps where they can be exact."""
     if mode == "none":
         return 0
     if mode == "bf16":
-        return _bf16_weights(model)
+        return _bf16_weights(model, exact_small_steps)
     if dense is None:
         dense = _dense_fits(model)
     if mode == "fp16":
@@ -214,11 +215,11 @@ def _dense_fits(model: nn.Module) -> bool:
     return fits
 
 
-def _bf16_weights(model: nn.Module) -> int:
+def _bf16_weights(model: nn.Module, exact_small_steps: bool) -> int:
     # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement.
     # Where few-row calls are exact (weights on a 4-bit grid, the native kernel), short prefills keep the fp32
     # weights too, if they fit: a prompt's K/V without bf16 rounding is half of what keeps greedy tokens fp32's
-    keep = _dense_fits(model)
+    keep = exact_small_steps and _dense_fits(model)
     count = _replace_linears(model, lambda lin: Bf16Linear(lin, keep_fp32=keep), None)
     four_bit = [m.four_bit for m in model.modules() if isinstance(m, Bf16Linear)]
     exact = sum(f is not None and f.exact for f in four_bit)
