@@ -92,6 +92,8 @@ def _build():
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         log.warning("native: removing a stale build lock %s", lock)
         lock.unlink(missing_ok=True)
+    if not (build_dir / f"{name}.so").exists():  # said where a user sees it: startup pauses for it, once
+        log.warning("building the native 4-bit kernel once for this machine (~20 s; cached in %s)", build_dir)
     t0 = time.perf_counter()
     module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
                                 extra_cflags=CFLAGS, verbose=False)
