@@ -129,6 +129,14 @@ def _native_or_skip():
     return kernel
 
 
+def _grid_linear(seed: int) -> nn.Linear:
+    """A [576 -> 256] layer with a bias whose weight is on a Q4_1 grid."""
+    lin = nn.Linear(576, 256, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(q4_1_weight(256, 576, seed=seed))
+    return lin
+
+
 def test_the_native_kernel_multiplies_fp32_activations_by_the_grids_own_weights():
     from mooncaked.engine.four_bit import FourBitFp32, four_bit_form
 
@@ -157,9 +165,7 @@ def test_a_bf16_layer_on_the_grid_multiplies_in_fp32_in_a_small_step_only():
     from mooncaked.engine.bf16_weights import fp32_step
 
     _native_or_skip()
-    lin = nn.Linear(576, 256, bias=True)
-    with torch.no_grad():
-        lin.weight.copy_(q4_1_weight(256, 576, seed=7))
+    lin = _grid_linear(seed=7)
     layer = Bf16Linear(lin, keep_fp32=True)
     assert layer.dense is not None
     one, many = torch.randn(1, 576), torch.randn(40, 576)
@@ -190,3 +196,19 @@ def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_pa
     with caplog.at_level(logging.WARNING, logger="mooncaked.engine.native"):
         assert native._q4_kernel_once.__wrapped__() is None  # past the cache: a fresh attempt
     assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text
+
+
+def test_an_fp16_layer_on_the_grid_reads_4_bits_with_fp32_activations_for_a_few_rows():
+    from mooncaked.engine.four_bit import FourBitFp32
+
+    _native_or_skip()
+    lin = _grid_linear(seed=8)
+    layer = Fp16Linear(lin, dense=True)
+    assert isinstance(layer.four_bit, FourBitFp32)
+    few, mid, many = torch.randn(FOUR_BIT_ROWS, 576), torch.randn(16, 576), torch.randn(80, 576)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(few), layer.four_bit(few) + lin.bias, rtol=0, atol=0)
+        torch.testing.assert_close(layer(few), lin(few), rtol=1e-5, atol=1e-5)  # the grid's weights, fp32 sums
+        torch.testing.assert_close(layer(mid), layer._gemm(mid, layer.packed), rtol=0, atol=0)  # fbgemm fp16
+        torch.testing.assert_close(layer(many), torch.nn.functional.linear(many, layer.dense, layer.bias), rtol=0, atol=0)
+    assert Fp16Linear(nn.Linear(576, 256)).four_bit is None  # off the grid: fbgemm's fp16 only

@@ -139,3 +139,11 @@ def four_bit_form(weight: torch.Tensor, lossy_ok: bool = False) -> "FourBitFp32 
     q, scale, zero, exact = grid
     kernel = q4_kernel() if exact else None  # built on first use: only a checkpoint on the grid pays for it
     return FourBitFp32(q, scale, zero, kernel) if kernel is not None else FourBitPair(q, scale, zero, exact)
+
+
+def exact_four_bit(weight: torch.Tensor) -> FourBitFp32 | None:
+    """The native fp32 form of a weight on the grid; None off the grid or where the kernel does not run
+    (for a path whose few-row calls must not round activations: no torch int4 fallback)."""
+    grid = grid_of(weight)
+    kernel = q4_kernel() if grid is not None else None
+    return None if grid is None or kernel is None else FourBitFp32(*grid[:3], kernel)

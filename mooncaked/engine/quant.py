@@ -31,6 +31,7 @@ from mooncaked.engine.four_bit import (
     FourBitFp32,
     FourBitPair,
     dequantize_int4,
+    exact_four_bit,
     quantize_int4,
 )
 
@@ -120,13 +121,18 @@ class Fp16Linear(nn.Module):
     (8x finer than bf16); it needs AVX2, not native bf16. It wins where a step reads weights (decode,
     a few rows); for many rows (prefill) an fp32 GEMM is 1.3x faster on AVX2, so ``dense`` keeps the
     same fp16-rounded weights widened to fp32 for calls of more than ``SMALL_M["fp16"]`` rows: both
-    paths multiply by the very same weight values, so a prompt's tokens do not depend on which ran."""
+    paths multiply by the very same weight values, so a prompt's tokens do not depend on which ran.
+    Weights on a 4-bit grid, where our AVX-512 kernel runs (engine/four_bit.py), are read as 4 bits by
+    calls of up to FOUR_BIT_ROWS rows (decode steps): the grid's own weights, closer to fp32 still, in
+    ~half fbgemm's time at one row (docs/performance.md)."""
 
     def __init__(self, linear: nn.Linear, dense: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.small_m = SMALL_M["fp16"]
         bias = None if linear.bias is None else linear.bias.detach().float()
+        # weights on a 4-bit grid, where our kernel runs: calls of a few rows read 4 bits, fp32 activations
+        self.four_bit = exact_four_bit(linear.weight) if linear.weight.dtype == torch.float32 else None
         grid = linear.weight.detach().to(torch.float16).float()  # what fbgemm multiplies by
         try:
             self.packed = torch.ops.quantized.linear_prepack_fp16(grid, bias)
@@ -144,6 +150,9 @@ class Fp16Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.four_bit is not None and x2.shape[0] <= FOUR_BIT_ROWS:
+            y = self.four_bit(x2)
+            return y if self.bias is None else y + self.bias
         if self.dense is not None and x2.shape[0] > self.small_m:
             return F.linear(x2, self.dense, self.bias)
         return self._gemm(x2, self.packed)
