@@ -66,13 +66,14 @@ def q4_kernel() -> Q4Linear | None:
 def _q4_kernel_once() -> Q4Linear | None:
     reason = q4_unavailable()
     if reason is not None:
-        log.info("native 4-bit kernel not used (%s): few-row steps use torch's int4 kernel", reason)
+        log.info("native 4-bit kernel not used (%s): few-row steps use torch's kernels", reason)
         return None
     try:
         return _build().q4_linear
     except Exception as e:  # a missing compiler, headers or ninja: the torch kernels still serve
-        log.warning("native 4-bit kernel could not be built (%s: %s): few-row steps use torch's int4 kernel, "
-                    "whose bf16 activations flip near-tied greedy tokens", type(e).__name__, str(e).strip()[-400:])
+        log.warning("native 4-bit kernel could not be built (%s: %s): few-row steps use torch's kernels (on the "
+                    "bf16 path its int4 kernel, whose bf16 activations flip near-tied greedy tokens)",
+                    type(e).__name__, str(e).strip()[-400:])
         return None
 
 
