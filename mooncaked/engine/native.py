@@ -1,15 +1,19 @@
-"""Our one native kernel, built on first use with torch's C++ extension tooling and cached on disk.
+"""Our native kernels, built on first use with torch's C++ extension tooling and cached on disk.
 
-Why native code at all: a decode step of a few rows is bound by reading the weights, and the default
-model's weights lie on a 4-bit grid. torch's int4 kernel reads them as 4 bits only with bf16
-activations and bf16 output, whose rounding flips near-tied greedy tokens; with fp32 activations it
-is a scalar path ~30x slower (docs/performance.md). ``csrc/q4_gemv.cpp`` reads the same 4 bits with
-fp32 activations and fp32 sums, as fast as the bf16 path on an AVX-512 CPU.
+Why native code at all (docs/performance.md, "Engine"):
 
-Built once per machine and source (``torch.utils.cpp_extension``: gcc, Python's headers, ninja from
-PyPI), ~20 s, then loaded from ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
-Where it cannot be built or run (no AVX-512, no compiler, ``MOONCAKED_NATIVE=0``), ``q4_kernel()``
-returns None, logs why once, and callers keep torch's kernels.
+- ``q4_linear`` (``csrc/q4_gemv.cpp``): a decode step of a few rows is bound by reading the weights, and
+  the default model's weights lie on a 4-bit grid. torch's int4 kernel reads them as 4 bits only with
+  bf16 activations and bf16 output, whose rounding flips near-tied greedy tokens; with fp32 activations
+  it is a scalar path ~30x slower. Ours reads the same 4 bits with fp32 activations and fp32 sums.
+- ``paged_decode_attention`` (``csrc/paged_decode.cpp``): torch's decode attention over a paged cache
+  gathers every sequence's blocks into a copy per layer and runs a masked SDPA over the padded copy; ours
+  reads each K/V row once, in place, for all the query heads that share it.
+
+One module from all sources (``csrc/module.cpp`` binds them), built once per machine and source
+(gcc, Python's headers, ninja from PyPI), ~30 s on 2 cores, then loaded from ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``). Where it cannot be built or run (no AVX-512, no compiler,
+``MOONCAKED_NATIVE=0``), ``native_module()`` returns None, logs why once, and callers keep torch's kernels.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from mooncaked.engine.precision import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "q4_gemv.cpp"
-# the instructions the kernel is compiled for (/proc/cpuinfo names)
+SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("module.cpp", "q4_gemv.cpp", "paged_decode.cpp",
+                                                                 "norm_rope.cpp"))
+# the instructions the kernels are compiled for (/proc/cpuinfo names)
 Q4_FLAGS = frozenset({"avx512f", "avx512bw"})
 # at::parallel_for splits work over torch's OpenMP threads only when the extension is built with OpenMP
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-fopenmp"]
@@ -42,10 +47,12 @@ STALE_LOCK_S = 600.0
 _BUILD_LOCK = threading.Lock()
 
 Q4Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, k_cache, v_cache, block_tables, ctx_lens, scale) -> out
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def q4_unavailable(flags: frozenset[str] | None = None) -> str | None:
-    """Why the 4-bit fp32 kernel cannot run here (None when it can be tried)."""
+    """Why the native kernels cannot run here (None when they can be tried)."""
     if os.environ.get("MOONCAKED_NATIVE", "1") == "0":
         return "MOONCAKED_NATIVE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -57,22 +64,35 @@ def q4_unavailable(flags: frozenset[str] | None = None) -> str | None:
 
 
 def q4_kernel() -> Q4Linear | None:
-    """``q4_linear(x, qp, d, m)`` (csrc/q4_gemv.cpp), or None where it is unavailable (logged once)."""
+    """``q4_linear(x, qp, d, m)`` (csrc/q4_gemv.cpp), or None where the native module is unavailable."""
+    module = native_module()
+    return None if module is None else module.q4_linear
+
+
+def decode_attention_kernel() -> DecodeAttention | None:
+    """``paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale)`` (csrc/paged_decode.cpp),
+    or None where the native module is unavailable."""
+    module = native_module()
+    return None if module is None else module.paged_decode_attention
+
+
+def native_module():
+    """The built module, or None where it is unavailable (logged once)."""
     with _BUILD_LOCK:
-        return _q4_kernel_once()
+        return _native_once()
 
 
 @functools.cache
-def _q4_kernel_once() -> Q4Linear | None:
+def _native_once():
     reason = q4_unavailable()
     if reason is not None:
-        log.info("native 4-bit kernel not used (%s): few-row steps use torch's kernels", reason)
+        log.info("native kernels not used (%s): torch's kernels serve", reason)
         return None
     try:
-        return _build().q4_linear
+        return _build()
     except Exception as e:  # a missing compiler, headers or ninja: the torch kernels still serve
-        log.warning("native 4-bit kernel could not be built (%s: %s): few-row steps use torch's kernels (on the "
-                    "bf16 path its int4 kernel, whose bf16 activations flip near-tied greedy tokens)",
+        log.warning("native kernels could not be built (%s: %s): torch's kernels serve (on the bf16 path's "
+                    "few-row steps its int4 kernel, whose bf16 activations flip near-tied greedy tokens)",
                     type(e).__name__, str(e).strip()[-400:])
         return None
 
@@ -86,17 +106,17 @@ def _build():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    source = SOURCE.read_bytes()
-    name = "mooncaked_q4_" + hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    source = b"".join(f.read_bytes() for f in SOURCES)
+    name = "mooncaked_native_" + hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     lock = build_dir / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         log.warning("native: removing a stale build lock %s", lock)
         lock.unlink(missing_ok=True)
     if not (build_dir / f"{name}.so").exists():  # said where a user sees it: startup pauses for it, once
-        log.warning("building the native 4-bit kernel once for this machine (~20 s; cached in %s)", build_dir)
+        log.warning("building the native kernels once for this machine (~30 s; cached in %s)", build_dir)
     t0 = time.perf_counter()
-    module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+    module = cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], build_directory=str(build_dir),
                                 extra_cflags=CFLAGS, verbose=False)
-    log.info("native 4-bit kernel ready in %.1f s (%s)", time.perf_counter() - t0, build_dir)
+    log.info("native kernels ready in %.1f s (%s)", time.perf_counter() - t0, build_dir)
     return module

@@ -41,4 +41,10 @@ def make_backend(choice: str, device: str | torch.device, block_size: int, num_h
             raise RuntimeError(f"attention backend 'flash' cannot run: {reason}")
         if torch.device(device).type == "cuda":
             log.warning("using the torch attention backend: %s", reason)
-    return TorchAttention(num_heads, num_kv_heads, head_dim, scale)
+    kernel = None
+    # on CPU an fp32 cache's decodes are read in place (csrc/paged_decode.cpp: head_dim in 16-float vectors)
+    if torch.device(device).type == "cpu" and head_dim % 16 == 0:
+        from mooncaked.engine.native import decode_attention_kernel
+
+        kernel = decode_attention_kernel()
+    return TorchAttention(num_heads, num_kv_heads, head_dim, scale, kernel)

@@ -1,8 +1,10 @@
 """Paged attention with torch's SDPA: any block size, CPU or GPU, no extra packages.
 
 Decodes are batched into one SDPA call over their gathered blocks (the gather index is
-built once per step and reused by every layer). A prefill chunk with no cached context
-attends to its own new K/V directly; one with a cached prefix gathers its blocks.
+built once per step and reused by every layer); on a CPU where our native kernels run, an fp32
+cache is read in place instead (``decode_kernel``: csrc/paged_decode.cpp, no copy, no padding).
+A prefill chunk with no cached context attends to its own new K/V directly; one with a cached
+prefix gathers its blocks.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from mooncaked.engine.attention.metadata import AttentionMetadata, write_kv
+from mooncaked.engine.native import DecodeAttention
 
 
 class TorchAttention:
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 decode_kernel: DecodeAttention | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.decode_kernel = decode_kernel
 
     store_kv = staticmethod(write_kv)
 
@@ -43,6 +48,11 @@ class TorchAttention:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         nd = q.shape[0]
+        if self.decode_kernel is not None and q.dtype == k_cache.dtype == torch.float32 and q.device.type == "cpu":
+            tables = meta.cache.get("decode_tables")
+            if tables is None:  # once per step: every layer reads the same blocks
+                tables = meta.cache["decode_tables"] = meta.block_tables[:nd].contiguous()
+            return self.decode_kernel(q.contiguous(), k_cache, v_cache, tables, meta.context_lens[:nd], self.scale)
         tables, mask, beyond = meta.cache.get("decode") or meta.cache.setdefault("decode", self._decode_index(meta, q.dtype))  # type: ignore[misc]
         kh, d = self.num_kv_heads, self.head_dim
         # index_select on the block dim is a plain row copy; advanced indexing is several times slower

@@ -1,0 +1,20 @@
+// The Python module of our native kernels: one build, one .so (engine/native.py).
+#include <torch/python.h>  // pybind11 and its tensor casters, lighter than torch/extension.h
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& qp, const at::Tensor& d,
+                        const at::Tensor& m);
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor ctx_lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                                                double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.def("q4_linear", &q4_linear, "x @ W.T, W on a 4-bit grid, fp32 activations");
+  module.def("paged_decode_attention", &paged_decode_attention,
+             "decode attention read in place from the paged KV cache, fp32");
+  module.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows in one pass");
+  module.def("add_rms_norm", &add_rms_norm, "(x + r, RMSNorm(x + r)) in one pass");
+  module.def("rotary", &rotary, "the rotary embedding, half-split layout, signed full-width sin");
+}
