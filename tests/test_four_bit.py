@@ -68,7 +68,8 @@ def test_a_bf16_layer_reads_4_bits_for_a_few_rows_only():
         lin.weight.copy_(q4_1_weight(256, 576, seed=3))
     layer = Bf16Linear(lin)
     assert layer.four_bit is not None
-    one, few, many = torch.randn(1, 576), torch.randn(FOUR_BIT_ROWS, 576), torch.randn(FOUR_BIT_ROWS + 1, 576)
+    rows = layer.four_bit.rows  # 8 for the native fp32 form, 4 for torch's int4 kernel
+    one, few, many = torch.randn(1, 576), torch.randn(rows, 576), torch.randn(rows + 1, 576)
     torch.testing.assert_close(layer(one), layer.four_bit(one) + lin.bias, rtol=0, atol=0)
     torch.testing.assert_close(layer(few), layer.four_bit(few) + lin.bias, rtol=0, atol=0)
     torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)
@@ -144,7 +145,7 @@ def test_the_native_kernel_multiplies_fp32_activations_by_the_grids_own_weights(
     w = q4_1_weight(256, 576, seed=6)
     form = four_bit_form(w)
     assert isinstance(form, FourBitFp32) and form.exact
-    for rows in (1, 3, FOUR_BIT_ROWS, FOUR_BIT_ROWS + 3):  # any row count, 4 at a time
+    for rows in (1, 3, form.rows, form.rows + 3, 16, 37):  # any row count: 16, 8, 4, 2 and 1 at a time
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
         want = x.double() @ w.double().T
         got = form(x)
@@ -166,20 +167,21 @@ def test_a_bf16_layer_on_the_grid_multiplies_in_fp32_in_a_small_step_only():
 
     _native_or_skip()
     lin = _grid_linear(seed=7)
-    layer = Bf16Linear(lin, keep_fp32=True)
-    assert layer.dense is not None
+    layer = Bf16Linear(lin, exact_steps=True)
+    assert layer.exact_steps
     one, many = torch.randn(1, 576), torch.randn(40, 576)
     with torch.no_grad():
         want = lin(many)
-        with fp32_step():
-            torch.testing.assert_close(layer(many), want, rtol=0, atol=0)  # the fp32 weights themselves
-            torch.testing.assert_close(layer(one), lin(one), rtol=1e-5, atol=1e-5)  # the native kernel
+        with fp32_step():  # the native kernel for every row: the grid's weights, fp32 sums
+            torch.testing.assert_close(layer(many), layer.four_bit(many) + lin.bias, rtol=0, atol=0)
+            torch.testing.assert_close(layer(many), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer(one), lin(one), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)  # bf16
         with fp32_step(False):
             torch.testing.assert_close(layer(many), layer.weight(many).float() + lin.bias, rtol=0, atol=0)
-    assert Bf16Linear(lin).dense is None  # not asked to keep them
-    off_grid = Bf16Linear(nn.Linear(576, 256), keep_fp32=True)
-    assert off_grid.dense is None  # few-row calls there are not exact: fp32 prefill alone would buy nothing
+    assert not Bf16Linear(lin).exact_steps  # not asked for
+    off_grid = Bf16Linear(nn.Linear(576, 256), exact_steps=True)
+    assert not off_grid.exact_steps  # no exact 4-bit form: its steps stay bf16
 
 
 def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_path, caplog):
@@ -194,7 +196,7 @@ def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_pa
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="mooncaked.engine.native"):
-        assert native._q4_kernel_once.__wrapped__() is None  # past the cache: a fresh attempt
+        assert native._native_once.__wrapped__() is None  # past the cache: a fresh attempt
     assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text
 
 
@@ -205,7 +207,7 @@ def test_an_fp16_layer_on_the_grid_reads_4_bits_with_fp32_activations_for_a_few_
     lin = _grid_linear(seed=8)
     layer = Fp16Linear(lin, dense=True)
     assert isinstance(layer.four_bit, FourBitFp32)
-    few, mid, many = torch.randn(FOUR_BIT_ROWS, 576), torch.randn(16, 576), torch.randn(80, 576)
+    few, mid, many = torch.randn(layer.four_bit.rows, 576), torch.randn(16, 576), torch.randn(80, 576)
     with torch.no_grad():
         torch.testing.assert_close(layer(few), layer.four_bit(few) + lin.bias, rtol=0, atol=0)
         torch.testing.assert_close(layer(few), lin(few), rtol=1e-5, atol=1e-5)  # the grid's weights, fp32 sums

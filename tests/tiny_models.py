@@ -38,7 +38,7 @@ def write_tokenizer(folder: Path) -> None:
 
 
 def make_tiny_model(arch: str, folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    max_position_embeddings: int = 512, num_layers: int = 2):
+                    max_position_embeddings: int = 512, num_layers: int = 2, hidden_size: int = 64):
     """Build, save and return (HF model, folder) for one architecture; a longer context for long-prompt tests."""
     import transformers
 
@@ -50,7 +50,7 @@ def make_tiny_model(arch: str, folder: Path, dtype: torch.dtype = torch.float32,
     }[arch]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, **ARCH_KW[arch],
     )

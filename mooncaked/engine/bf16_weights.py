@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.engine.config import ConfigError
-from mooncaked.engine.four_bit import FOUR_BIT_ROWS, FourBitFp32, four_bit_form
+from mooncaked.engine.four_bit import FourBitFp32, four_bit_form
 
 # bf16 logits of this model are off by ~0.1 at most; the 16 best cover every near tie we saw
 CANDIDATES = 16
-# a step of at most FOUR_BIT_ROWS sequences and this many tokens (a short prompt, a new chat turn after a cached
+# a step of at most NATIVE_ROWS sequences (engine/four_bit.py) and this many tokens (a short prompt, a new chat turn after a cached
 # prefix, a few decodes) multiplies in fp32 where the layers keep fp32 weights (``fp32_step``; docs/performance.md)
 EXACT_ROWS = 64
 # set by the model runner around such a step: a mode of the step, as torch's autocast is, not of any one call
@@ -69,25 +69,25 @@ class Bf16Linear(nn.Module):
     (engine/four_bit.py): there a step's time is the bytes of weights it reads."""
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None, lossy_four_bit: bool = False,
-                 keep_fp32: bool = False) -> None:
+                 exact_steps: bool = False) -> None:
         """``lossy_four_bit``: weights off the grid get a lossy 4-bit copy too (a scorer whose picks are
-        rescored in fp32). ``keep_fp32``: where few-row calls are exact (the native fp32 kernel), keep the
-        fp32 weights (shared, not copied) for the runner's small steps (``fp32_step``)."""
+        rescored in fp32). ``exact_steps``: where the weights are on the grid and the native fp32 kernel runs,
+        it multiplies every call of the runner's small steps (``fp32_step``), not only few-row ones: the
+        grid's own weights with fp32 activations, and faster than an fp32 GEMM at a small step's <= 64 rows
+        (docs/performance.md), so no fp32 copy of the weights is kept."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = out_dtype or linear.weight.dtype
         self.weight = PackedBf16(linear.weight)
         # only where torch has oneDNN: the CPUs the bf16 path was measured on
         self.four_bit = four_bit_form(linear.weight, lossy_four_bit) if self.weight.packed is not None else None
-        exact = isinstance(self.four_bit, FourBitFp32) and linear.weight.dtype == torch.float32
-        self.dense = linear.weight.detach() if keep_fp32 and exact else None
+        self.exact_steps = exact_steps and isinstance(self.four_bit, FourBitFp32) and linear.weight.dtype == torch.float32
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.four_bit is not None and x.dim() == 2 and x.shape[0] <= FOUR_BIT_ROWS:
+        if self.four_bit is not None and x.dim() == 2 and (
+                x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get())):
             y = self.four_bit(x).to(self.out_dtype)
-        elif self.dense is not None and _FP32_STEP.get():  # with its bias, as the fp32 path's nn.Linear adds it
-            return F.linear(x.float(), self.dense, self.bias).to(self.out_dtype)
         else:
             y = self.weight(x).to(self.out_dtype)
         return y if self.bias is None else y + self.bias
@@ -95,8 +95,9 @@ class Bf16Linear(nn.Module):
 
 @contextmanager
 def fp32_step(on: bool = True) -> Iterator[None]:
-    """Within it, layers that kept their fp32 weights multiply by them: the model runner's small steps. With
-    few-row calls exact too, a lone short prompt and its decode steps give fp32's greedy tokens."""
+    """Within it, layers with ``exact_steps`` multiply every call by the grid's own weights in fp32: the model
+    runner's small steps. With few-row calls exact too, a lone short prompt and its decode steps give fp32's
+    greedy tokens."""
     token = _FP32_STEP.set(on)
     try:
         yield

@@ -1,6 +1,6 @@
 """Weights that already lie on a 4-bit grid (a Q4 GGUF's, as the default model's) read as 4 bits
-where a step is bound by reading them: a call of a few rows (a decode step of batch 1 to 4, a
-prefill of a few new tokens).
+where a step is bound by reading them: a call of a few rows (a decode step of batch 1 to 4, or to 8
+with our native kernel; a prefill of a few new tokens).
 
 Why: such a step reads every weight once, 269 MB a step for the default model in bf16 and about
 100 MB here. torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, as gpt-fast uses it) takes bf16
@@ -30,6 +30,10 @@ INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # (2 threads), batch 5 50.9 against 40.4. (With the weights in cache, as a one-layer bench has them, bf16 wins
 # from 2 rows.)
 FOUR_BIT_ROWS = 4
+# the same for our native fp32 kernel (FourBitFp32), which rebuilds each block's weights once for up to 16 rows:
+# 30 layers' linear weights of the default model, AVX-512 Zen 5 host, 2 vCPUs, ms at 1 / 4 / 8 / 16 rows: 4.6 /
+# 6.7 / 9.5 / 18.9 against oneDNN bf16's 10.9 / 12.5 / 13.3 / 12.5 (docs/performance.md)
+NATIVE_ROWS = 8
 # a weight is on the grid when re-quantizing it moves no value by more than this share of its group's step
 GRID_TOLERANCE = 1e-3
 
@@ -61,6 +65,8 @@ def on_grid(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.T
 
 class FourBitPair:
     """A weight [N, K] on a 4-bit grid, as packed 4-bit values and two bf16 (scale, zero) pairs."""
+
+    rows = FOUR_BIT_ROWS  # calls of up to this many rows read it
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, exact: bool = True) -> None:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -96,6 +102,7 @@ class FourBitFp32:
     with fp32 activations by the native kernel (csrc/q4_gemv.cpp): the grid's own weights, fp32 sums."""
 
     exact = True
+    rows = NATIVE_ROWS  # calls of up to this many rows read it
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: Q4Linear) -> None:
         n, k = q.shape

@@ -16,7 +16,8 @@ import torch
 from mooncaked.engine.attention import AttentionMetadata, make_backend
 from mooncaked.engine.bf16_weights import EXACT_ROWS, fp32_step
 from mooncaked.engine.config import EngineConfig, ModelConfig
-from mooncaked.engine.four_bit import FOUR_BIT_ROWS
+from mooncaked.engine.four_bit import NATIVE_ROWS
+from mooncaked.engine.native import native_module
 from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
@@ -69,6 +70,8 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = LlamaForCausalLM(model_cfg, self.backend, max_model_len, self.stage).to(dtype)
         self.model.rope.float()
+        if self.device.type == "cpu":  # fp32 norms and rotary in one pass a row (built once per machine)
+            self.model.use_native(native_module())
         load_weights(self.model, model_cfg, model_dir, dtype)
         if precision.weights != "none":
             # torch's int4 kernel is fast only where the CPU multiplies bf16 natively (engine/four_bit.py)
@@ -104,7 +107,7 @@ class ModelRunner:
                 raise ValueError(f"stage {self.stage}: no input hidden states for {missing}")
             x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
         # a small step (a lone short prompt, a few decodes) multiplies in fp32 where the layers can (bf16_weights)
-        small = self.exact_small_steps and len(batch) <= FOUR_BIT_ROWS and input_ids.shape[0] <= EXACT_ROWS
+        small = self.exact_small_steps and len(batch) <= NATIVE_ROWS and input_ids.shape[0] <= EXACT_ROWS
         with fp32_step(small):
             hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
         if not self.samples(layers):

@@ -123,7 +123,7 @@ class Fp16Linear(nn.Module):
     same fp16-rounded weights widened to fp32 for calls of more than ``SMALL_M["fp16"]`` rows: both
     paths multiply by the very same weight values, so a prompt's tokens do not depend on which ran.
     Weights on a 4-bit grid, where our AVX-512 kernel runs (engine/four_bit.py), are read as 4 bits by
-    calls of up to FOUR_BIT_ROWS rows (decode steps): the grid's own weights, closer to fp32 still, in
+    calls of up to NATIVE_ROWS rows (decode steps): the grid's own weights, closer to fp32 still, in
     ~half fbgemm's time at one row (docs/performance.md)."""
 
     def __init__(self, linear: nn.Linear, dense: bool = False) -> None:
@@ -150,7 +150,7 @@ class Fp16Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.four_bit is not None and x2.shape[0] <= FOUR_BIT_ROWS:
+        if self.four_bit is not None and x2.shape[0] <= self.four_bit.rows:
             y = self.four_bit(x2)
             return y if self.bias is None else y + self.bias
         if self.dense is not None and x2.shape[0] > self.small_m:
@@ -226,17 +226,17 @@ def _dense_fits(model: nn.Module) -> bool:
 
 def _bf16_weights(model: nn.Module, exact_small_steps: bool) -> int:
     # every output in fp32, the MLP's gate|up too: silu(gate) * up in bf16 cost 11 points of greedy agreement.
-    # Where few-row calls are exact (weights on a 4-bit grid, the native kernel), short prefills keep the fp32
-    # weights too, if they fit: a prompt's K/V without bf16 rounding is half of what keeps greedy tokens fp32's
-    keep = exact_small_steps and _dense_fits(model)
-    count = _replace_linears(model, lambda lin: Bf16Linear(lin, keep_fp32=keep), None)
+    # Where the weights are on a 4-bit grid and the native kernel runs, short prefills multiply by the grid's
+    # weights in fp32 too: a prompt's K/V without bf16 rounding is half of what keeps greedy tokens fp32's
+    count = _replace_linears(model, lambda lin: Bf16Linear(lin, exact_steps=exact_small_steps), None)
     four_bit = [m.four_bit for m in model.modules() if isinstance(m, Bf16Linear)]
     exact = sum(f is not None and f.exact for f in four_bit)
     lossy = sum(f is not None and not f.exact for f in four_bit)
-    fp32 = sum(m.dense is not None for m in model.modules() if isinstance(m, Bf16Linear))
+    fp32 = sum(m.exact_steps for m in model.modules() if isinstance(m, Bf16Linear))
     log.info("bf16 weights: %d of %d linear layers (the head's scorer included) are on a 4-bit grid and read as "
-             "4 bits by calls of up to %d rows, %d more as lossy 4 bits (a head's scorer); %d keep fp32 weights for "
-             "steps of up to %d tokens (native kernel: %s)", exact, len(four_bit), FOUR_BIT_ROWS, lossy, fp32, EXACT_ROWS,
+             "4 bits by calls of up to %d rows, %d more as lossy 4 bits (a head's scorer); %d multiply steps of up "
+             "to %d tokens in fp32 (native kernel: %s)", exact, len(four_bit),
+             max((f.rows for f in four_bit if f is not None), default=0), lossy, fp32, EXACT_ROWS,
              "yes" if any(isinstance(f, FourBitFp32) for f in four_bit) else "no")
     return count
 

@@ -26,12 +26,28 @@ MLP_CHUNK_ROWS = 512
 
 
 class RMSNorm(nn.Module):
+    # our native kernels (engine/native.py) where the model runs on a CPU that has them: one pass a row
+    native = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def _native_fits(self, x: torch.Tensor) -> bool:
+        return (self.native is not None and x.dtype == self.weight.dtype == torch.float32 and x.dim() == 2
+                and x.is_contiguous() and x.shape[1] % 16 == 0)
+
+    def add_norm(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + r, norm(x + r))``: a residual add and the next sublayer's input, in one pass where native."""
+        if self._native_fits(x) and r.dtype == x.dtype and r.shape == x.shape and r.is_contiguous():
+            return self.native.add_rms_norm(x, r, self.weight, self.eps)
+        h = x + r
+        return h, self(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_fits(x):
+            return self.native.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # half precision: normalise in fp32 like the reference implementation
@@ -41,6 +57,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    native = None  # as RMSNorm's: the rotary embedding in one pass
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -59,7 +77,7 @@ class Attention(nn.Module):
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k rotated in one call: half the ops of a decode step's rotary
-            qk = apply_rotary(qk, *rope)
+            qk = self._rotate(qk, rope)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         else:  # Qwen3 normalises q and k per head before rotating them
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -68,6 +86,12 @@ class Attention(nn.Module):
         self.backend.store_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def _rotate(self, qk: torch.Tensor, rope: Rope) -> torch.Tensor:
+        cos, sin = rope
+        if self.native is not None and qk.dtype == cos.dtype == torch.float32 and self.head_dim % 32 == 0:
+            return self.native.rotary(qk, cos.squeeze(1), sin.squeeze(1))
+        return apply_rotary(qk, cos, sin)
 
 
 class MLP(nn.Module):
@@ -100,8 +124,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, n = self.post_attention_layernorm.add_norm(x, self.self_attn(self.input_layernorm(x), rope, kv, meta))
+        return h + self.mlp(n)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and self.first:
                 self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, torch.float32)
+
+    def use_native(self, kernels) -> None:
+        """Let the norms and rotary embeddings run our native kernels (engine/native.py; None: torch's ops)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention)):
+                m.native = kernels
 
     def param_name(self, checkpoint_name: str) -> str | None:
         """Our parameter that a checkpoint tensor (``model.`` prefix removed) fills, or None when this
