@@ -84,6 +84,15 @@ class Bf16Linear(nn.Module):
         self.exact_steps = exact_steps and isinstance(self.four_bit, FourBitFp32) and linear.weight.dtype == torch.float32
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
+    def bf16_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The bf16 GEMM's own bf16 output, unconverted, where this call would take it (not a 4-bit call, not an
+        exact step, no bias); else None. Lets the MLP fuse what follows (csrc/rowwise.cpp silu_mul_bf16)."""
+        if self.bias is not None or x.dim() != 2 or self.out_dtype != torch.float32:
+            return None
+        if self.four_bit is not None and (x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get())):
+            return None
+        return self.weight(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.four_bit is not None and x.dim() == 2 and (
                 x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get())):

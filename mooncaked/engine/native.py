@@ -9,6 +9,8 @@ Why native code at all (docs/performance.md, "Engine"):
 - ``paged_decode_attention`` (``csrc/paged_decode.cpp``): torch's decode attention over a paged cache
   gathers every sequence's blocks into a copy per layer and runs a masked SDPA over the padded copy; ours
   reads each K/V row once, in place, for all the query heads that share it.
+- ``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_mul_bf16`` (``csrc/rowwise.cpp``): the row-wise steps
+  between a layer's matrix products, one pass each where torch makes four to six.
 
 One module from all sources (``csrc/module.cpp`` binds them), built once per machine and source
 (gcc, Python's headers, ninja from PyPI), ~30 s on 2 cores, then loaded from ``$TORCH_EXTENSIONS_DIR`` (default
@@ -35,7 +37,7 @@ from mooncaked.engine.precision import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("module.cpp", "q4_gemv.cpp", "paged_decode.cpp",
-                                                                 "norm_rope.cpp"))
+                                                                 "rowwise.cpp"))
 # the instructions the kernels are compiled for (/proc/cpuinfo names)
 Q4_FLAGS = frozenset({"avx512f", "avx512bw"})
 # at::parallel_for splits work over torch's OpenMP threads only when the extension is built with OpenMP

@@ -9,6 +9,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
                                                 double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul_bf16(const at::Tensor& gu);
+std::tuple<at::Tensor, at::Tensor> qkv_rotary_bf16(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                                   int64_t rotated_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("q4_linear", &q4_linear, "x @ W.T, W on a 4-bit grid, fp32 activations");
@@ -17,4 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm, "RMSNorm of fp32 rows in one pass");
   module.def("add_rms_norm", &add_rms_norm, "(x + r, RMSNorm(x + r)) in one pass");
   module.def("rotary", &rotary, "the rotary embedding, half-split layout, signed full-width sin");
+  module.def("silu_mul_bf16", &silu_mul_bf16, "bf16(silu(gate) * up) of a bf16 gate|up, fp32 math");
+  module.def("qkv_rotary_bf16", &qkv_rotary_bf16, "rotated q|k and v in fp32 from a bf16 qkv");
 }

@@ -73,6 +73,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        fused = self._rotate_bf16(x, rope)
+        if fused is not None:  # the bf16 path's qkv rotated straight from bf16 (the same math, one pass)
+            qk, v = fused
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+            return self._attend(q, k, v, t, kv, meta)
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
@@ -82,10 +87,27 @@ class Attention(nn.Module):
         else:  # Qwen3 normalises q and k per head before rotating them
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             q, k = apply_rotary(self.q_norm(q), *rope), apply_rotary(self.k_norm(k), *rope)  # type: ignore[misc]
+        return self._attend(q, k, v, t, kv, meta)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, kv: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv
         self.backend.store_kv(k, v, k_cache, v_cache, meta)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def _rotate_bf16(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rotated q|k, v) in fp32 from the qkv projection's own bf16 output, where it gives one (bf16_out)."""
+        raw = getattr(self.qkv_proj, "bf16_out", None)
+        cos, sin = rope
+        if (raw is None or self.native is None or self.q_norm is not None or self.head_dim % 32
+                or cos.dtype != torch.float32):
+            return None
+        qkv = raw(x)
+        if qkv is None:
+            return None
+        return self.native.qkv_rotary_bf16(qkv.contiguous(), cos.squeeze(1), sin.squeeze(1),
+                                           self.num_heads + self.num_kv_heads, self.head_dim)
 
     def _rotate(self, qk: torch.Tensor, rope: Rope) -> torch.Tensor:
         cos, sin = rope
@@ -95,6 +117,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    native = None  # as RMSNorm's: silu(gate) * up straight from the bf16 path's bf16 output
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
@@ -110,6 +134,12 @@ class MLP(nn.Module):
         return torch.cat([self._rows(part) for part in x.split(MLP_CHUNK_ROWS)])
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        # the bf16 path (engine/bf16_weights.py): its gate|up comes out in bf16 and the down projection rounds
+        # its input to bf16, so the fp32 middle is one native pass from bf16 to bf16 (the same math)
+        raw = getattr(self.gate_up_proj, "bf16_out", None) if self.native is not None and self.inter % 16 == 0 else None
+        gu = raw(x) if raw is not None else None
+        if gu is not None:
+            return self.down_proj(self.native.silu_mul_bf16(gu.contiguous()))
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -151,9 +181,10 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions, torch.float32)
 
     def use_native(self, kernels) -> None:
-        """Let the norms and rotary embeddings run our native kernels (engine/native.py; None: torch's ops)."""
+        """Let the norms, rotary embeddings and MLP middles run our native kernels (engine/native.py; None:
+        torch's ops)."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention)):
+            if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.native = kernels
 
     def param_name(self, checkpoint_name: str) -> str | None:
