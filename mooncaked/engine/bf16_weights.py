@@ -28,8 +28,9 @@ from mooncaked.engine.four_bit import FourBitFp32, four_bit_form
 
 # bf16 logits of this model are off by ~0.1 at most; the 16 best cover every near tie we saw
 CANDIDATES = 16
-# a step of at most NATIVE_ROWS sequences (engine/four_bit.py) and this many tokens (a short prompt, a new chat turn after a cached
-# prefix, a few decodes) multiplies in fp32 where the layers keep fp32 weights (``fp32_step``; docs/performance.md)
+# a step of at most NATIVE_ROWS sequences (engine/four_bit.py) and this many tokens (a short prompt, a new chat
+# turn after a cached prefix, a few decodes) multiplies in fp32 where the native kernel reads the layers' grid
+# (``fp32_step``, ``Bf16Linear.exact_steps``; docs/performance.md)
 EXACT_ROWS = 64
 # set by the model runner around such a step: a mode of the step, as torch's autocast is, not of any one call
 _FP32_STEP: ContextVar[bool] = ContextVar("mooncaked_fp32_step", default=False)

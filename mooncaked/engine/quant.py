@@ -181,7 +181,7 @@ def quantize_model(model: nn.Module, mode: str, include_lm_head: bool = True, de
     how many. The embedding stays as it is: a tied lm_head gets its own quantized copy. ``dense``
     (QuantLinear, Fp16Linear): keep fp32 weights for prefill; None: where they fit in DENSE_SHARE of free memory.
     ``four_bit_head`` (fp16): the head's scorer reads 4 bits for a few rows (Fp16Scorer; a CPU with native bf16).
-    ``exact_small_steps`` (bf16): keep the fp32 weights for the runner's small steps where they can be exact."""
+    ``exact_small_steps`` (bf16): the runner's small steps multiply in fp32 where the native kernel reads the grid."""
     if mode == "none":
         return 0
     if mode == "bf16":
