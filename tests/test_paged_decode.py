@@ -69,7 +69,8 @@ def test_native_decode_attention_refuses_what_would_read_outside_the_cache():
     with pytest.raises(RuntimeError, match="fp32"):
         kernel(q.double(), k_cache, v_cache, tables, lens, 0.1)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernel(q[..., :24].contiguous(), k_cache[..., :24].contiguous(), v_cache[..., :24].contiguous(), tables, lens, 0.1)
+        narrow = [t[..., :24].contiguous() for t in (q, k_cache, v_cache)]
+        kernel(*narrow, tables, lens, 0.1)
 
 
 def test_an_engine_decodes_the_same_tokens_with_the_native_kernel_as_with_torchs(tiny_model_factory):

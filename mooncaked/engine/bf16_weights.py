@@ -82,7 +82,8 @@ class Bf16Linear(nn.Module):
         self.weight = PackedBf16(linear.weight)
         # only where torch has oneDNN: the CPUs the bf16 path was measured on
         self.four_bit = four_bit_form(linear.weight, lossy_four_bit) if self.weight.packed is not None else None
-        self.exact_steps = exact_steps and isinstance(self.four_bit, FourBitFp32) and linear.weight.dtype == torch.float32
+        fp32_grid = isinstance(self.four_bit, FourBitFp32) and linear.weight.dtype == torch.float32
+        self.exact_steps = exact_steps and fp32_grid
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def bf16_out(self, x: torch.Tensor) -> torch.Tensor | None:

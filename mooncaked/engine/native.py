@@ -109,7 +109,8 @@ def _build():
     except ImportError:
         pass
     source = b"".join(f.read_bytes() for f in SOURCES)
-    name = "mooncaked_native_" + hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = "mooncaked_native_" + digest
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     lock = build_dir / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
