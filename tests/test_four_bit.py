@@ -10,6 +10,7 @@ from torch import nn
 from mooncaked.engine.bf16_weights import Bf16Linear, CandidateHead
 from mooncaked.engine.four_bit import FOUR_BIT_ROWS, INT4_GROUP, FourBitPair, quantize_int4
 from mooncaked.engine.quant import Fp16Linear, Fp16Scorer, quantize_model
+from native_kernels import native_or_skip
 from test_engine_precision import NO_BF16_HERE
 
 
@@ -119,15 +120,8 @@ def test_the_fp16_paths_head_scores_a_few_rows_in_4_bits_and_its_best_in_fp32():
 
 
 def _native_or_skip():
-    """The native 4-bit fp32 kernel (engine/native.py), or a skip that says why it cannot run here."""
-    from mooncaked.engine.native import q4_kernel, q4_unavailable
-
-    reason = q4_unavailable()
-    if reason is not None:
-        pytest.skip(f"native 4-bit kernel: {reason}")
-    kernel = q4_kernel()
-    assert kernel is not None, "the native 4-bit kernel failed to build on a CPU that can run it (see the log)"
-    return kernel
+    """The native 4-bit fp32 kernel (engine/native.py), or a skip that says why this CPU cannot run it."""
+    return native_or_skip().q4_linear
 
 
 def _grid_linear(seed: int) -> nn.Linear:
@@ -191,8 +185,8 @@ def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_pa
 
     from mooncaked.engine import native
 
-    if native.q4_unavailable() is not None:
-        pytest.skip(f"native 4-bit kernel: {native.q4_unavailable()}")
+    if native.native_unavailable() is not None:
+        pytest.skip(f"native 4-bit kernel: {native.native_unavailable()}")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="mooncaked.engine.native"):

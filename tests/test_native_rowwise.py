@@ -9,19 +9,13 @@ import torch.nn.functional as F
 
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.models.rope import apply_rotary
+from native_kernels import native_or_skip
 from tiny_models import hf_greedy, hf_logits, make_tiny_model, random_prompts
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    from mooncaked.engine.native import native_module, q4_unavailable
-
-    if q4_unavailable() is not None:
-        pytest.skip(f"native kernels: {q4_unavailable()}")
-    module = native_module()
-    if module is None:
-        pytest.skip("native kernels could not be built here (the log says why)")
-    return module
+    return native_or_skip()
 
 
 @pytest.mark.parametrize("rows", [1, 16, 300])

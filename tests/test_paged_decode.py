@@ -8,19 +8,12 @@ import torch
 from mooncaked.engine import Engine, SamplingParams
 from mooncaked.engine.attention.metadata import AttentionMetadata
 from mooncaked.engine.attention.torch_backend import TorchAttention
+from native_kernels import native_or_skip
 from tiny_models import random_prompts
 
 
 def _kernel_or_skip():
-    from mooncaked.engine.native import decode_attention_kernel, q4_unavailable
-
-    reason = q4_unavailable()
-    if reason is not None:
-        pytest.skip(f"native kernels: {reason}")
-    kernel = decode_attention_kernel()
-    if kernel is None:
-        pytest.skip("native kernels could not be built here (the log says why)")
-    return kernel
+    return native_or_skip().paged_decode_attention
 
 
 def _decode_step(lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int = 16, blocks: int = 128,

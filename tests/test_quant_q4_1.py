@@ -104,17 +104,15 @@ def test_the_bf16_engine_reads_a_q4_1_ggufs_weights_as_4_bits(tmp_path: Path, bp
 
 def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_path: Path, bpe_vocab: Vocab) -> None:
     """The default path on a Q4_1 GGUF where the native kernel runs: a step of a few sequences and few tokens
-    multiplies in fp32 (its prefill by the kept fp32 weights, its decodes by the 4-bit kernel with fp32
-    activations), so one prompt at a time gets the exact path's tokens; a batch of 16 runs bf16."""
+    multiplies in fp32 (every call by the 4-bit kernel with fp32 activations), so one prompt at a time gets the
+    exact path's tokens; a batch of 16 runs bf16."""
     from mooncaked.engine.bf16_weights import EXACT_ROWS, Bf16Linear
-    from mooncaked.engine.native import q4_kernel, q4_unavailable
+    from native_kernels import native_or_skip
     from test_engine_precision import NO_BF16_HERE
 
     if NO_BF16_HERE is not None:
         pytest.skip(NO_BF16_HERE)
-    if q4_unavailable() is not None:
-        pytest.skip(f"native 4-bit kernel: {q4_unavailable()}")
-    assert q4_kernel() is not None
+    native_or_skip()
     path = write_gguf(tmp_path / "q4_1.gguf", _on_q4_1_grid(tiny_llama(seed=3), seed=4), bpe_vocab, Q.Q4_1)
     kw = dict(block_size=4, kv_cache_bytes=8 << 20, cache_dir=tmp_path / "cache")
     exact = Engine.from_pretrained(path, dtype="float32", **kw)

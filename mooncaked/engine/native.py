@@ -9,8 +9,8 @@ Why native code at all (docs/performance.md, "Engine"):
 - ``paged_decode_attention`` (``csrc/paged_decode.cpp``): torch's decode attention over a paged cache
   gathers every sequence's blocks into a copy per layer and runs a masked SDPA over the padded copy; ours
   reads each K/V row once, in place, for all the query heads that share it.
-- ``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_mul_bf16`` (``csrc/rowwise.cpp``): the row-wise steps
-  between a layer's matrix products, one pass each where torch makes four to six.
+- ``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_mul_bf16``, ``qkv_rotary_bf16`` (``csrc/rowwise.cpp``):
+  the row-wise steps between a layer's matrix products, one pass each where torch makes four to six.
 
 One module from all sources (``csrc/module.cpp`` binds them), built once per machine and source
 (gcc, Python's headers, ninja from PyPI), ~30 s on 2 cores, then loaded from ``$TORCH_EXTENSIONS_DIR`` (default
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("module.cpp", "q4_gemv.cpp", "paged_decode.cpp",
                                                                  "rowwise.cpp"))
 # the instructions the kernels are compiled for (/proc/cpuinfo names)
-Q4_FLAGS = frozenset({"avx512f", "avx512bw"})
+NATIVE_FLAGS = frozenset({"avx512f", "avx512bw"})
 # at::parallel_for splits work over torch's OpenMP threads only when the extension is built with OpenMP
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-fopenmp"]
 # a build lock older than this was left by a build that died: torch would wait on it forever
@@ -53,13 +53,13 @@ Q4Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], to
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def q4_unavailable(flags: frozenset[str] | None = None) -> str | None:
+def native_unavailable(flags: frozenset[str] | None = None) -> str | None:
     """Why the native kernels cannot run here (None when they can be tried)."""
     if os.environ.get("MOONCAKED_NATIVE", "1") == "0":
         return "MOONCAKED_NATIVE=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    missing = Q4_FLAGS - (cpu_flags() if flags is None else flags)
+    missing = NATIVE_FLAGS - (cpu_flags() if flags is None else flags)
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     return None
@@ -86,7 +86,7 @@ def native_module():
 
 @functools.cache
 def _native_once():
-    reason = q4_unavailable()
+    reason = native_unavailable()
     if reason is not None:
         log.info("native kernels not used (%s): torch's kernels serve", reason)
         return None

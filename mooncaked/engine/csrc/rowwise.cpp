@@ -74,6 +74,28 @@ inline void fp32_to_bf16(__m512 v, uint16_t* p) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) { return bf16_to_fp32(p); }
+
+// one head of one token, x fp32 or bf16 (widened exactly): out[i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i],
+// as two products and a sum (no FMA), the same roundings as the torch formula's
+template <typename T>
+inline void rotate_head(const T* x, const float* cos, const float* sin, float* out, int64_t half) {
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const __m512 a = load16(x + i), b = load16(x + half + i);
+    _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(cos + i)),
+                                            _mm512_mul_ps(b, _mm512_loadu_ps(sin + i))));
+    _mm512_storeu_ps(out + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(cos + half + i)),
+                                                   _mm512_mul_ps(a, _mm512_loadu_ps(sin + half + i))));
+  }
+}
+
+void check_angles(const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D) {
+  for (const auto& c : {cos, sin})
+    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == T && c.size(1) == D,
+                "cos / sin: [T, D] fp32, contiguous");
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -109,17 +131,13 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {h, out};
 }
 
-// x [T, H, D] (rows may be strided: a view into the fused qkv output), cos / sin [T, D] full width, sin
-// signed: out[t, h, i] = x[i] * cos[i] + x[(i + D/2) % D] * sin[i], as two products and a sum (no FMA),
-// the same roundings as the torch formula's
+// x [T, H, D] (rows may be strided: a view into the fused qkv output), cos / sin [T, D] full width, sin signed
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "x: [T, H, D] fp32, heads contiguous");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(half % kLanes == 0, "head_dim must be a multiple of 32");
-  for (const auto& c : {cos, sin})
-    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == T && c.size(1) == D,
-                "cos / sin: [T, D] fp32, contiguous");
+  check_angles(cos, sin, T, D);
   auto out = at::empty({T, H, D}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -127,21 +145,8 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   float* op = out.data_ptr<float>();
   const int64_t row = x.stride(0);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* ct = cp + t * D;
-      const float* st = sp + t * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* xh = xp + t * row + h * D;
-        float* oh = op + (t * H + h) * D;
-        for (int64_t i = 0; i < half; i += kLanes) {
-          const __m512 a = _mm512_loadu_ps(xh + i), b = _mm512_loadu_ps(xh + half + i);
-          _mm512_storeu_ps(oh + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(ct + i)),
-                                                 _mm512_mul_ps(b, _mm512_loadu_ps(st + i))));
-          _mm512_storeu_ps(oh + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(ct + half + i)),
-                                                        _mm512_mul_ps(a, _mm512_loadu_ps(st + half + i))));
-        }
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) rotate_head(xp + t * row + h * D, cp + t * D, sp + t * D, op + (t * H + h) * D, half);
   });
   return out;
 }
@@ -179,9 +184,7 @@ std::tuple<at::Tensor, at::Tensor> qkv_rotary_bf16(const at::Tensor& qkv, const 
   TORCH_CHECK(D > 0 && half % kLanes == 0, "head_dim must be a multiple of 32");
   TORCH_CHECK(R > 0 && qkv.size(1) % D == 0 && qkv.size(1) / D > R, "qkv: more heads than the rotated ones");
   const int64_t V = qkv.size(1) / D - R;
-  for (const auto& c : {cos, sin})
-    TORCH_CHECK(c.dim() == 2 && c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == T && c.size(1) == D,
-                "cos / sin: [T, D] fp32, contiguous");
+  check_angles(cos, sin, T, D);
   auto qk = at::empty({T, R, D}, cos.options());
   auto v = at::empty({T, V, D}, cos.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>());
@@ -192,19 +195,7 @@ std::tuple<at::Tensor, at::Tensor> qkv_rotary_bf16(const at::Tensor& qkv, const 
   const int64_t width = qkv.size(1);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* ct = cp + t * D;
-      const float* st = sp + t * D;
-      for (int64_t h = 0; h < R; ++h) {
-        const uint16_t* xh = xp + t * width + h * D;
-        float* oh = qp + (t * R + h) * D;
-        for (int64_t i = 0; i < half; i += kLanes) {
-          const __m512 a = bf16_to_fp32(xh + i), b = bf16_to_fp32(xh + half + i);
-          _mm512_storeu_ps(oh + i, _mm512_add_ps(_mm512_mul_ps(a, _mm512_loadu_ps(ct + i)),
-                                                 _mm512_mul_ps(b, _mm512_loadu_ps(st + i))));
-          _mm512_storeu_ps(oh + half + i, _mm512_add_ps(_mm512_mul_ps(b, _mm512_loadu_ps(ct + half + i)),
-                                                        _mm512_mul_ps(a, _mm512_loadu_ps(st + half + i))));
-        }
-      }
+      for (int64_t h = 0; h < R; ++h) rotate_head(xp + t * width + h * D, cp + t * D, sp + t * D, qp + (t * R + h) * D, half);
       const uint16_t* xv = xp + t * width + R * D;
       for (int64_t i = 0; i < V * D; i += kLanes) _mm512_storeu_ps(vp + t * V * D + i, bf16_to_fp32(xv + i));
     }
