@@ -131,8 +131,8 @@ def received(backend: str) -> float:
 
 @pytest.mark.timeout(60)
 def test_write_from_and_read_bytes_copy_caller_buffers_once_through_shm(clean_shm: object) -> None:
-    """A single put/get's bytes need no registered region on this host; elsewhere they say so
-    (False / None) and move nothing, and bad ranges are refused like submit() refuses them."""
+    """A single put/get's bytes need no registered region on this host; a read elsewhere says so
+    (None) and moves nothing, and bad ranges are refused like submit() refuses them."""
 
     async def body() -> None:
         a, b = TransferEngine(backend="auto"), TransferEngine(backend="auto")
@@ -152,11 +152,13 @@ def test_write_from_and_read_bytes_copy_caller_buffers_once_through_shm(clean_sh
             got = await a.read_bytes(addr, "dst", 4096, 1000)
             assert type(got) is bytes and got == payload
             assert sent("shm") - shm_sent == 1000 + 2 + 16 and received("shm") - shm_got == 1000
-            # not in shared memory, or no shm path at all: nothing moves, the caller stages
-            assert not await a.write_from(payload, addr, "plain", 0) and not plain.any()
+            # not in shared memory, or no shm path at all: tcp sends the caller's bytes as they are
+            # (test_transfer_single_op.py); a read cannot land in a caller's bytes, the caller stages
+            assert await a.write_from(payload[:16], addr, "plain", 0) and bytes(plain[:16].numpy()) == payload[:16]
             assert await a.read_bytes(addr, "plain", 0, 16) is None
-            assert not await tcp_only.write_from(payload, addr, "dst", 0)
+            assert await tcp_only.write_from(payload[:16], addr, "dst", 0) and bytes(dst[:16].numpy()) == payload[:16]
             assert await tcp_only.read_bytes(addr, "dst", 0, 16) is None
+            assert sent("shm") - shm_sent == 1000 + 2 + 16, "the last two went over tcp"
             with pytest.raises(TransferError, match="out of bounds|exceeds|outside"):
                 await a.write_from(payload, addr, "dst", MiB - 10)
             with pytest.raises(TransferError, match="positive length"):

@@ -136,6 +136,45 @@ def test_single_op_errors_keep_their_types(backend: str, peer: Peer) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_write_from_sends_a_callers_bytes_without_staging(backend: str, peer: Peer) -> None:
+    """write_from: the caller's bytes (bytes, bytearray, a tensor's memoryview) land in the peer's
+    region with no registered region on this side (over tcp: handed to the kernel as they are),
+    `meanwhile` runs once per write, errors keep their types and leave the path good; where the
+    tcp ops go through the I/O process it answers False and moves nothing (the caller stages)."""
+
+    async def body() -> None:
+        engine = TransferEngine(backend=backend)
+        io_engine = TransferEngine(backend="tcp", io_process=True)
+        try:
+            calls = []
+            for i, size in enumerate((1, 4 * KiB + 3, SLOT, 2 * MiB)):  # 2 MiB: more than one send
+                data = bytes(rand_bytes(size, 10 + i).numpy())
+                for j, src in enumerate((data, bytearray(data), memoryview(torch.frombuffer(bytearray(data),
+                                                                                      dtype=torch.uint8).numpy()))):
+                    at = (3 * i + j) * 64 * KiB if size < 2 * MiB else 4 * MiB
+                    assert peer.ask("fill", at, size, 99)
+                    assert await engine.write_from(src, peer.address, "dst", at, meanwhile=lambda: calls.append(1))
+                    assert peer.ask("digest", at, size) == digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            assert len(calls) == 12, "meanwhile runs once per write"
+            data = bytes(rand_bytes(SLOT, 5).numpy())
+            with pytest.raises(UnknownRegionError, match="'nope'"):
+                await engine.write_from(data, peer.address, "nope", 0)
+            with pytest.raises(OutOfBoundsError, match="dst"):
+                await engine.write_from(data, peer.address, "dst", 8 * MiB - 10)
+            with pytest.raises(PeerUnavailableError):
+                await engine.write_from(data, f"127.0.0.1:{closed_port()}", "dst", 0, timeout_s=5)
+            assert await engine.write_from(data, peer.address, "dst", 0)  # the path is still good
+            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            assert not await io_engine.write_from(data, peer.address, "dst", 0, meanwhile=lambda: calls.append(1))
+            assert len(calls) == 12, "nothing was written, so nothing ran meanwhile"
+        finally:
+            await io_engine.close()
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
 def test_many_concurrent_single_ops(peer: Peer, backend: str) -> None:
     """Single ops from many tasks at once share the pool's connections: some
     find a connection idle, others queue behind a sender; all land."""

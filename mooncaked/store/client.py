@@ -376,8 +376,9 @@ class StoreClient:
         reserving = None if place is not None else await self._send(
             "ReservePlaces", self.stub.ReservePlaces,
             self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
-        # a caller's bytes are checksummed as they are (while the master reserves, if it does)
-        csum = None if isinstance(data, torch.Tensor) else checksum(data)
+        # a caller's bytes are checksummed as they are: while the master reserves, if it does; else
+        # while they travel (_write_place)
+        csum = None if reserving is None or isinstance(data, torch.Tensor) else checksum(data)
         if reserving is not None:
             try:
                 got = self._stock(shape, await reserving)
@@ -428,17 +429,26 @@ class StoreClient:
     async def _write_place(self, data: Data, size: int, place: Place, csum: int | None) -> int:
         """Write one object into every copy of its place; returns its checksum (`csum` when given).
 
-        A caller's bytes (`csum` given) go straight into copies on this host: one copy, with
-        transfer.write_from. Tensors, and copies elsewhere, go through the staging area.
+        A caller's bytes go to each copy straight from their buffer where the data plane can
+        (transfer.write_from: shared memory, one memcpy; in-process tcp, no copy on this side),
+        checksummed while the first copy travels when `csum` is not given yet. Tensors, and copies
+        the data plane cannot reach that way (rdma, the tcp I/O process), go through the staging area.
         """
         assert self.staging is not None
         staged = place.replicas
-        if csum is not None:
+        if not isinstance(data, torch.Tensor):
+            sums = [] if csum is None else [csum]
+
+            def hash_meanwhile() -> None:
+                if not sums:
+                    sums.append(checksum(data))
+
             staged = [rep for rep in place.replicas
-                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,  # type: ignore[arg-type]
-                                                            rep.offset, self.config.transfer_timeout_s)]
+                      if not await self.transfer.write_from(data, rep.endpoint.address, rep.endpoint.region,
+                                                            rep.offset, self.config.transfer_timeout_s, hash_meanwhile)]
             if not staged:
-                return csum
+                return sums[0] if sums else checksum(data)
+            csum = sums[0] if sums else None
         async with self.staging.lease([size]) as (off,):
             self.staging.stage(off, data)
             if csum is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -225,17 +225,21 @@ class TransferEngine:
         _raise_first(results)
 
     async def write_from(self, data: bytes | bytearray | memoryview, peer: str, remote_region: str,
-                         remote_offset: int, timeout_s: float | None = None) -> bool:
-        """Copy a caller's bytes (not in any registered region) straight into a peer's region on
-        this host: one memcpy where staging would take two. False, with nothing moved, when the
-        peer is not reachable through shared memory (backend tcp/rdma, another host, a region
-        not in shm): stage the bytes in a registered region and submit() instead."""
+                         remote_offset: int, timeout_s: float | None = None,
+                         meanwhile: Callable[[], object] | None = None) -> bool:
+        """Move a caller's bytes (in no registered region) into a peer's region without staging
+        them: through shared memory, one memcpy; over in-process tcp, the caller's buffer handed to
+        the kernel as it is. True when done; then `meanwhile` (e.g. the bytes' checksum) was called
+        once, while the peer received them where the transport waits for it. False, with nothing
+        moved, where the carrying transport cannot (rdma, the tcp I/O process, shm to a region not
+        in shared memory): stage the bytes in a registered region and submit() instead."""
         self._check_open()
         src = memoryview(data).cast("B")
         timeout = timeout_s if timeout_s is not None else self._timeout_s
         for transport in self._transports:
-            if await transport.write_from(src, peer, remote_region, remote_offset, timeout):
-                return True
+            done = await transport.write_from(src, peer, remote_region, remote_offset, timeout, meanwhile)
+            if done is not LEFT:
+                return bool(done)
         return False
 
     async def read_bytes(self, peer: str, remote_region: str, remote_offset: int, length: int,

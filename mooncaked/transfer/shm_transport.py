@@ -8,13 +8,14 @@ the segments shm.py; this module reads peers' regions from the engine's PeerDire
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import TransferError, TransferOp
 from mooncaked.transfer.peers import PeerDirectory
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.shm_path import ShmPath
-from mooncaked.transfer.transport import LEFT, Outcome, Transport
+from mooncaked.transfer.transport import LEFT, Left, Outcome, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class ShmTransport(Transport):
 
     def __init__(self, regions: RegionTable, peers: PeerDirectory, strict: bool, copy_threads: int) -> None:
         self._peers = peers
+        self._strict = strict
         self._path = ShmPath(regions, strict, copy_threads)
 
     async def submit(self, peer: str, ops: list[TransferOp], timeout_s: float) -> list[Outcome]:
@@ -35,12 +37,15 @@ class ShmTransport(Transport):
             results[j] = LEFT
         return results
 
-    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float) -> bool:
+    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float,
+                         meanwhile: Callable[[], object] | None = None) -> bool | Left:
         target = await self._peer_bytes("write", peer, region, offset, src.nbytes, timeout_s)
         if target is None:
-            return False
+            return False if self._strict else LEFT  # auto: tcp sends it from the caller's buffer
         target[:] = src
         metrics.count_op(self.label, "write", "initiator", True, sent=src.nbytes)
+        if meanwhile is not None:
+            meanwhile()
         return True
 
     async def read_bytes(self, peer: str, region: str, offset: int, length: int, timeout_s: float) -> bytes | None:

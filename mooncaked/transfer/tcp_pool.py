@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mooncaked.transfer import metrics
@@ -164,9 +165,11 @@ async def _run_lane(
         raise
 
 
-async def _run_one(conn: ClientConnection, op: WireOp, timeout_s: float) -> BaseException | bytes | None:
+async def _run_one(conn: ClientConnection, op: WireOp, timeout_s: float,
+                   meanwhile: Callable[[], object] | None = None) -> BaseException | bytes | None:
     """One op on one connection: its result or error. Handed to the transport
-    right here when the connection is idle (no lock, no extra coroutine)."""
+    right here when the connection is idle (no lock, no extra coroutine).
+    `meanwhile` runs once the request is handed over, while the peer works."""
     sent: list[asyncio.Future[bytes | None]] = []
     try:
         future = conn.send_now(op, timeout_s)
@@ -174,6 +177,8 @@ async def _run_one(conn: ClientConnection, op: WireOp, timeout_s: float) -> Base
             await conn.send([op], timeout_s, sent)
         else:
             sent.append(future)
+        if meanwhile is not None:
+            meanwhile()
         return await sent[0]
     except TransferError as e:
         return e
@@ -212,13 +217,18 @@ async def run_tcp(
 async def run_one_tcp(pool: PeerPool, regions: RegionTable, op: TransferOp, timeout_s: float) -> BaseException | None:
     """One TransferOp over tcp (a single put/get): its outcome, as run_tcp
     gives for a batch of one, without the batch's lists and striping."""
-    wire = _wire_op(regions, op)
-    conns = pool.ready() or await pool.connections()
-    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
-    outcome = await _run_one(conn, wire, timeout_s)
-    error = outcome if isinstance(outcome, BaseException) else None
+    error = await run_one_wire(pool, _wire_op(regions, op), timeout_s)
     metrics.count_initiated("tcp", (op,), (error is None,))
     return error
+
+
+async def run_one_wire(pool: PeerPool, wire: WireOp, timeout_s: float,
+                       meanwhile: Callable[[], object] | None = None) -> BaseException | None:
+    """One request on the least loaded connection: None or its error (see _run_one for `meanwhile`)."""
+    conns = pool.ready() or await pool.connections()
+    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
+    outcome = await _run_one(conn, wire, timeout_s, meanwhile)
+    return outcome if isinstance(outcome, BaseException) else None
 
 
 def _outstanding(conn: ClientConnection) -> int:

@@ -9,12 +9,16 @@ per peer and speaks the Transport interface.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, TransferError, TransferOp
 from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.regions import RegionTable
-from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_tcp
+from mooncaked.transfer.tcp_client import WireOp
+from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_one_wire, run_tcp
 from mooncaked.transfer.transport import Outcome, Transport
+from mooncaked.transfer.wire import Op
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,25 @@ class TcpTransport(Transport):
             return await run_one_tcp(self.pool(op.peer), self._regions, op, timeout_s)
         except TransferError as e:
             return e
+
+    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float,
+                         meanwhile: Callable[[], object] | None = None) -> bool:
+        """Zero copy on this side: the caller's buffer goes to the kernel as it is, with no staging
+        copy; `meanwhile` runs while the peer receives it. The buffer must stay unchanged until
+        this returns (until then the kernel may still be reading it)."""
+        if src.nbytes == 0:
+            return False  # the staged path says what is wrong with it
+        if offset < 0:
+            raise TransferError(f"write of {src.nbytes} bytes at {offset}: need an offset >= 0")
+        wire = WireOp(Op.WRITE, region.encode("utf-8"), offset, src.nbytes, payload=src)
+        try:
+            error = await run_one_wire(self.pool(peer), wire, timeout_s, meanwhile)
+        except TransferError as e:  # could not connect
+            error = e
+        metrics.count_op(self.label, "write", "initiator", error is None, sent=0 if error else src.nbytes)
+        if error is not None:
+            raise error
+        return True
 
     def outgoing_connections(self) -> dict[str, int]:
         return {p: len(pool.conns) for p, pool in self._pools.items()}

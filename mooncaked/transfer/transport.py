@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from mooncaked.transfer.api import TransferOp
@@ -69,9 +70,12 @@ class Transport(ABC):
         """One op (a single put/get); a transport with a cheaper single-op path overrides it."""
         return (await self.submit(op.peer, [op], timeout_s))[0]
 
-    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float) -> bool:
-        """Copy a caller's bytes straight into a peer's region; False (nothing moved) where this
-        transport cannot do that in one copy."""
+    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float,
+                         meanwhile: Callable[[], object] | None = None) -> bool | Left:
+        """Move a caller's bytes (in no registered region) straight into a peer's region: True when
+        done, and then `meanwhile` was called once, while they travelled or after; False (nothing
+        moved) where this transport carries the op but not from a caller's buffer (stage it and
+        submit); LEFT where the op is not this transport's to carry (the next one is asked)."""
         return False
 
     async def read_bytes(self, peer: str, region: str, offset: int, length: int, timeout_s: float) -> bytes | None:
