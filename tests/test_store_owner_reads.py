@@ -82,6 +82,38 @@ async def test_an_object_put_again_with_other_bytes_is_never_served_as_the_old_o
         assert await reader.get("p/a") == a2  # and by key from then on
 
 
+async def test_concurrent_gets_by_key_each_get_their_own_bytes():
+    """Single gets by key share one connection per owner and land one after another in its scratch
+    buffer: each is checked and copied out before the next answer's bytes arrive."""
+    clients = ("owner", dict(dram_bytes=64 << 20)), ("writer", {})  # room for each size's places reserved ahead
+    async with pool(*clients) as (_, (owner, writer)):
+        objs = {f"c/{i}": os.urandom((i + 1) * 24 * KiB + i) for i in range(12)}  # sizes differ: the buffer grows
+        for k, v in objs.items():
+            assert await writer.put(k, v)
+            await held(owner, k)
+        hits = owner_gets("hit")
+        got = await asyncio.gather(*(writer.get(k) for k in reversed(objs)))
+        assert got == list(reversed(objs.values()))
+        assert owner_gets("hit") == hits + len(objs)
+
+
+async def test_bytes_that_fail_their_checksum_are_never_returned_by_key():
+    """The owner serves what its DRAM holds; when that is not what the reader expects (the place was
+    rewritten while sent, or corrupted), the reader's checksum refuses it and the master's path decides
+    (here it finds the copy corrupt too: a miss, and the object is dropped)."""
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {})
+    async with pool(*clients) as (_, (owner, writer)):
+        a = os.urandom(40 * KiB)
+        assert await writer.put("x/a", a)
+        await held(owner, "x/a")
+        offset = owner.journal.find("x/a")[0]
+        owner.dram.view[offset + 100] ^= 0xFF  # behind the journal's back: the served bytes are wrong
+        fallbacks, hits = owner_gets("fallback"), owner_gets("hit")
+        assert await writer.get("x/a") is None
+        assert owner_gets("fallback") == fallbacks + 1 and owner_gets("hit") == hits
+        assert not await writer.exist("x/a")  # the master's read failed its checksum too: dropped
+
+
 async def ask(proc: subprocess.Popen, key: str) -> str:
     proc.stdin.write(key + "\n")
     proc.stdin.flush()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from mooncaked.store.owner_wire import REPLY, SERVED, KeyRequest, WireError, pack_request
 from mooncaked.store.master_link import host_of
+from mooncaked.store.records import Hasher, checksum_stream
 from mooncaked.transfer import TransferError
 from mooncaked.transfer.handshake import HANDSHAKE_TIMEOUT_S, authenticated, open_socket
 
@@ -28,6 +29,8 @@ DOWN_S = 1.0  # after a failed connection or a late answer, that owner is read t
 GRACE_S = 0.05  # an owner's answer is given up after this, plus its bytes at SLOW_BYTES_PER_S
 SLOW_BYTES_PER_S = 100e6
 CONNECT_GRACE_S = 0.2  # a read waits this long for a new connection; it keeps opening in the background
+SCRATCH_MAX_BYTES = 64 << 20  # the largest object read_bytes takes (its connection keeps a buffer that big)
+REWRITTEN = -2  # read_bytes: served, but not the bytes asked for (the place was rewritten while sent)
 _ids = itertools.count(1)
 
 
@@ -42,10 +45,14 @@ class OwnerRead:
 
 
 class _Pending:
-    __slots__ = ("req_id", "into", "fut")
+    """One request in flight. `into` None: a single get wanting `bytes` (read_bytes): its answer lands
+    in the connection's scratch buffer, is hashed as it arrives and copied out once, checked."""
 
-    def __init__(self, req_id: int, into: memoryview, fut: asyncio.Future[int]) -> None:
-        self.req_id, self.into, self.fut = req_id, into, fut
+    __slots__ = ("req_id", "into", "fut", "size", "checksum")
+
+    def __init__(self, req_id: int, into: memoryview | None, fut: asyncio.Future, size: int = 0,
+                 checksum: int = 0) -> None:
+        self.req_id, self.into, self.fut, self.size, self.checksum = req_id, into, fut, size, checksum
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -59,6 +66,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._hpos = 0
         self._body: memoryview | None = None  # the served bytes' destination while they arrive
         self._bpos = 0
+        self._scratch = bytearray()  # where answers for read_bytes land (one at a time: answers come in order)
+        self._hasher: Hasher | None = None  # hashes such an answer chunk by chunk as it lands
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -81,9 +90,12 @@ class _Conn(asyncio.BufferedProtocol):
         return memoryview(self._hdr)[self._hpos:]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._body is not None:
+        body = self._body
+        if body is not None:
+            if self._hasher is not None:  # while the rest is still on its way
+                self._hasher.update(body[self._bpos:self._bpos + nbytes])
             self._bpos += nbytes
-            if self._bpos == len(self._body):
+            if self._bpos == len(body):
                 self._body = None
                 self._done(SERVED)
             return
@@ -97,16 +109,30 @@ class _Conn(asyncio.BufferedProtocol):
             return
         head = self.pending[0]
         if status == SERVED:
-            if size != len(head.into):
-                self.fail(WireError(f"served {size} bytes for a {len(head.into)}-byte object"))
+            want = head.size if head.into is None else len(head.into)
+            if size != want:
+                self.fail(WireError(f"served {size} bytes for a {want}-byte object"))
                 return
-            self._body, self._bpos = head.into, 0
+            if head.into is None:
+                if len(self._scratch) < size:
+                    self._scratch = bytearray(size)
+                self._body, self._hasher = memoryview(self._scratch)[:size], checksum_stream()
+            else:
+                self._body = head.into
+            self._bpos = 0
         else:
             self._done(status)
 
     def _done(self, status: int) -> None:
         p = self.pending.popleft()
-        if not p.fut.done():
+        hasher, self._hasher = self._hasher, None
+        if p.fut.done():
+            return
+        if p.into is None and status == SERVED:  # a read_bytes: checked, then copied out once
+            assert hasher is not None
+            p.fut.set_result(bytes(memoryview(self._scratch)[:p.size]) if hasher.intdigest() == p.checksum
+                              else REWRITTEN)
+        else:
             p.fut.set_result(status)
 
     def eof_received(self) -> bool:
@@ -129,24 +155,35 @@ class OwnerLinks:
     async def read(self, address: str, reads: list[OwnerRead]) -> list[int]:
         """Each read's status (owner_wire): SERVED means its `into` holds the bytes the owner sent (not
         yet checked). Raises TransferError when the owner cannot be asked or does not answer in time."""
+        return await self._ask(address, [(r.key, r.size, r.checksum, r.into) for r in reads])
+
+    async def read_bytes(self, address: str, key: str, size: int, csum: int) -> bytes | int:
+        """One object as new `bytes`, checked against `csum`; else its status: NOT_HELD, WINDOW_CLOSED,
+        or REWRITTEN (served, but its place was rewritten while sent). No staging: the answer lands in
+        the connection's scratch buffer. Raises TransferError as read() does."""
+        if size > SCRATCH_MAX_BYTES:
+            raise TransferError(f"owner {address}: {size} bytes is over the {SCRATCH_MAX_BYTES}-byte read_bytes limit")
+        return (await self._ask(address, [(key, size, csum, None)]))[0]
+
+    async def _ask(self, address: str, asks: list[tuple[str, int, int, memoryview | None]]) -> list:
         loop = asyncio.get_running_loop()
         conn = self._conns.get(address)
         if conn is None or conn.closed:
             conn = await self._connected(address)
-        deadline = min(self.timeout_s, GRACE_S + sum(r.size for r in reads) / SLOW_BYTES_PER_S)
+        deadline = min(self.timeout_s, GRACE_S + sum(a[1] for a in asks) / SLOW_BYTES_PER_S)
         # one timer, not asyncio.timeout: its context machinery costs more than a small read's bookkeeping
         timer = loop.call_at(loop.time() + deadline, conn.fail, TimeoutError(f"no answer within {deadline:.3f}s"))
         try:
             futs = []
             frames = []
-            for r in reads:
+            for key, size, csum, into in asks:
                 req_id = next(_ids)
                 fut = loop.create_future()
-                conn.pending.append(_Pending(req_id, r.into, fut))
-                frames.append(pack_request(KeyRequest(req_id, r.key, r.size, r.checksum)))
+                conn.pending.append(_Pending(req_id, into, fut, size, csum))
+                frames.append(pack_request(KeyRequest(req_id, key, size, csum)))
                 futs.append(fut)
             assert conn.transport is not None
-            conn.transport.write(b"".join(frames))
+            conn.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
             await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
             timer.cancel()
             return [f.result() for f in futs]

@@ -38,7 +38,7 @@ from mooncaked.store.dram_segment import STAGING_REGION, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument
 from mooncaked.store.hints import Hint
 from mooncaked.store.owner_index import IndexView
-from mooncaked.store.owner_link import OwnerLinks, OwnerRead
+from mooncaked.store.owner_link import REWRITTEN, OwnerLinks, OwnerRead
 from mooncaked.store.owner_wire import NOT_HELD, SERVED
 from mooncaked.store.records import checksum
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
@@ -239,21 +239,20 @@ class Reader:
 
     async def one_from_owner(self, key: str, h: Hint) -> tuple[bytes | None, bool]:
         """from_owners for one object wanted as bytes, with no more than it needs (a single get's
-        path): its bytes, or None and whether its owner no longer holds it as last seen."""
+        path: no staging, owner_link.read_bytes): its bytes, or None and whether its owner no longer
+        holds it as last seen."""
         assert self.owners is not None
-        async with self.staging.lease([h.size]) as (off,):
-            view = self.staging.slice(off, h.size)
-            try:
-                status = (await self.owners.read(h.key_server, [OwnerRead(key, h.size, h.checksum, view)]))[0]
-            except TransferError as e:
-                logger.debug("store get: owner %s not asked by key (%s)", h.key_server, e)
-                status = -1
-            if status == SERVED and checksum(view) == h.checksum:
-                metrics.owner_get("hit").inc()
-                metrics.client_bytes("get").inc(h.size)
-                return bytes(view), False
+        try:
+            got = await self.owners.read_bytes(h.key_server, key, h.size, h.checksum)
+        except TransferError as e:
+            logger.debug("store get: owner %s not asked by key (%s)", h.key_server, e)
+            got = -1
+        if type(got) is bytes:
+            metrics.owner_get("hit").inc()
+            metrics.client_bytes("get").inc(h.size)
+            return got, False
         metrics.owner_get("fallback").inc()
-        return None, status in (SERVED, NOT_HELD)  # rewritten while sent, or not held: the hint is stale
+        return None, got in (REWRITTEN, NOT_HELD)  # the hint is stale
 
     # -- reads from the master's answer ----------------------------------------------------------
     async def read_direct(self, call: GetCall, objs: list) -> list:

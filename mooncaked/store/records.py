@@ -39,6 +39,14 @@ def checksum(data: object) -> int:
     return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
 
 
+Hasher = xxhash.xxh3_64
+
+
+def checksum_stream() -> Hasher:
+    """`checksum` fed piece by piece (update(), then intdigest()): the same figure."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """How the master places, keeps and evicts; built once from the role's config."""
