@@ -32,7 +32,7 @@ from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
-from mooncaked.store import metrics, owner_index
+from mooncaked.store import heap, metrics, owner_index
 from mooncaked.store.commits_behind import CommitsBehind
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
@@ -84,6 +84,7 @@ class StoreClientConfig:
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
     commit_behind: bool = False  # put() returns once its bytes landed and its commit is sent (commits_behind.py)
+    keep_freed_heap: bool = True  # glibc keeps freed get results' memory for reuse, not faulted in again (heap.py)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -156,6 +157,8 @@ class StoreClient:
         """Lend the segments and mount them. May be called again after it raised (say, the master
         was not up yet): what the first call set up is kept, not made twice."""
         cfg = self.config
+        if cfg.keep_freed_heap:
+            heap.keep_freed_memory()
         if self._own_transfer and self.transfer.address is None:
             await self.transfer.start()
         if self.transfer.address is None:
