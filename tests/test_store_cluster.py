@@ -159,6 +159,7 @@ async def _idle(c: StoreClient) -> bool:
     return all(s.used <= 0.9 * s.capacity for s in dram)
 
 
+@pytest.mark.timeout(150)  # its own wait for the remount is 60 s: that wait, not the file's 60 s, must say what hung
 async def test_restarting_the_master_loses_nothing_on_lmdb(tmp_path):
     port = free_port()
     master = Master(port)
