@@ -6,11 +6,12 @@ import pytest
 
 
 def native_or_skip():
-    """The built native module (engine/native.py). Skips where the CPU cannot run it (not x86-64, no AVX-512)
-    or it was turned off (MOONCAKED_NATIVE=0); a CPU that can run it but fails to build it fails the test."""
-    from mooncaked.engine.native import native_module, native_unavailable
+    """The built native module (engine/native.py). Skips only where the CPU cannot run it (not x86-64, no
+    AVX-512); a CPU that can run it but fails to build it fails the test. The suite runs with the user's
+    switch (MOONCAKED_NATIVE) cleared: conftest.py."""
+    from mooncaked.engine.native import cpu_cannot_run, native_module
 
-    reason = native_unavailable()
+    reason = cpu_cannot_run()
     if reason is not None:
         pytest.skip(f"native kernels: {reason}")
     module = native_module()

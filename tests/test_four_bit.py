@@ -185,13 +185,29 @@ def test_a_kernel_that_cannot_be_built_leaves_torchs_kernels(monkeypatch, tmp_pa
 
     from mooncaked.engine import native
 
-    if native.native_unavailable() is not None:
-        pytest.skip(f"native 4-bit kernel: {native.native_unavailable()}")
+    if native.cpu_cannot_run() is not None:
+        pytest.skip(f"native 4-bit kernel: {native.cpu_cannot_run()}")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with caplog.at_level(logging.WARNING, logger="mooncaked.engine.native"):
         assert native._native_once.__wrapped__() is None  # past the cache: a fresh attempt
     assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text
+
+
+def test_the_users_switch_turns_the_native_kernels_off(monkeypatch, caplog):
+    """MOONCAKED_NATIVE=0: no build is tried, the reason is logged, and callers keep torch's kernels."""
+    import logging
+
+    from mooncaked.engine import native
+
+    monkeypatch.setenv("MOONCAKED_NATIVE", "0")
+    assert native.native_unavailable() == "MOONCAKED_NATIVE=0"
+    monkeypatch.setenv("CXX", "/no-such-compiler")  # a build attempt would warn about it
+    with caplog.at_level(logging.INFO, logger="mooncaked.engine.native"):
+        assert native._native_once.__wrapped__() is None  # past the cache: a fresh decision
+    assert "MOONCAKED_NATIVE=0" in caplog.text and "could not be built" not in caplog.text
+    monkeypatch.delenv("MOONCAKED_NATIVE")
+    assert native.native_unavailable() == native.cpu_cannot_run()
 
 
 def test_an_fp16_layer_on_the_grid_reads_4_bits_with_fp32_activations_for_a_few_rows():

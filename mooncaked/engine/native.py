@@ -54,9 +54,14 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 
 def native_unavailable(flags: frozenset[str] | None = None) -> str | None:
-    """Why the native kernels cannot run here (None when they can be tried)."""
+    """Why the native kernels are not used here (None when they can be tried): turned off, or the CPU."""
     if os.environ.get("MOONCAKED_NATIVE", "1") == "0":
         return "MOONCAKED_NATIVE=0"
+    return cpu_cannot_run(flags)
+
+
+def cpu_cannot_run(flags: frozenset[str] | None = None) -> str | None:
+    """Why this CPU cannot run the native kernels (None when it can)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"not an x86-64 CPU ({platform.machine()})"
     missing = NATIVE_FLAGS - (cpu_flags() if flags is None else flags)
