@@ -89,16 +89,18 @@ class Bf16Linear(nn.Module):
     def bf16_out(self, x: torch.Tensor) -> torch.Tensor | None:
         """The bf16 GEMM's own bf16 output, unconverted, where this call would take it (not a 4-bit call, not an
         exact step, no bias); else None. Lets the MLP fuse what follows (csrc/rowwise.cpp silu_mul_bf16)."""
-        if self.bias is not None or x.dim() != 2 or self.out_dtype != torch.float32:
-            return None
-        if self.four_bit is not None and (x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get())):
+        if self.bias is not None or x.dim() != 2 or self.out_dtype != torch.float32 or self._reads_four_bit(x):
             return None
         return self.weight(x)
 
+    def _reads_four_bit(self, x: torch.Tensor) -> bool:
+        """Whether this call reads the 4-bit form: a few rows, or any call of an exact small step."""
+        return self.four_bit is not None and x.dim() == 2 and (
+            x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.four_bit is not None and x.dim() == 2 and (
-                x.shape[0] <= self.four_bit.rows or (self.exact_steps and _FP32_STEP.get())):
-            y = self.four_bit(x).to(self.out_dtype)
+        if self._reads_four_bit(x):
+            y = self.four_bit(x).to(self.out_dtype)  # type: ignore[misc]
         else:
             y = self.weight(x).to(self.out_dtype)
         return y if self.bias is None else y + self.bias

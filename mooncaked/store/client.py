@@ -44,7 +44,7 @@ from mooncaked.store.errors import InvalidArgument, NoRoom, StoreError, StoreUna
 from mooncaked.store.lmdb_tier import LmdbTier, LmdbWrite
 from mooncaked.store.master_link import MasterLink, host_of
 from mooncaked.store.mounts import Mounts
-from mooncaked.store.owner_link import SCRATCH_MAX_BYTES, OwnerLinks
+from mooncaked.store.owner_link import OwnerLinks
 from mooncaked.store.owner_index import IndexView, IndexViews, OwnerIndex
 from mooncaked.store.owner_server import OwnerServer, ServeWindow
 from mooncaked.store.reads import PIPELINE_GROUP, GetCall, Reader, chunks, settle
@@ -763,8 +763,8 @@ class StoreClient:
         reader = self._reader
         if reader is not None and reader.owners is not None:  # by key from its owner, if we know it
             h = self._hints.get(key)
-            if (h is not None and self._owner_serves(h) and h.size <= SCRATCH_MAX_BYTES and self.staging is not None
-                    and self.staging.fits([h.size])):  # no staging used, but the same limit as every other get
+            # no staging used, but the same limit as every other get
+            if h is not None and self._owner_serves(h) and self.staging is not None and self.staging.fits([h.size]):
                 data, gone = await reader.one_from_owner(key, h)
                 if data is not None:
                     metrics.client_op("get", "hit").inc()

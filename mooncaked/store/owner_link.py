@@ -50,8 +50,7 @@ class _Pending:
 
     __slots__ = ("req_id", "into", "fut", "size", "checksum")
 
-    def __init__(self, req_id: int, into: memoryview | None, fut: asyncio.Future, size: int = 0,
-                 checksum: int = 0) -> None:
+    def __init__(self, req_id: int, into: memoryview | None, fut: asyncio.Future, size: int, checksum: int) -> None:
         self.req_id, self.into, self.fut, self.size, self.checksum = req_id, into, fut, size, checksum
 
 
@@ -109,9 +108,8 @@ class _Conn(asyncio.BufferedProtocol):
             return
         head = self.pending[0]
         if status == SERVED:
-            want = head.size if head.into is None else len(head.into)
-            if size != want:
-                self.fail(WireError(f"served {size} bytes for a {want}-byte object"))
+            if size != head.size:
+                self.fail(WireError(f"served {size} bytes for a {head.size}-byte object"))
                 return
             if head.into is None:
                 if len(self._scratch) < size:
