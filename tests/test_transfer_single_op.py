@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import time
 from multiprocessing.connection import Connection
@@ -167,6 +168,54 @@ def test_write_from_sends_a_callers_bytes_without_staging(backend: str, peer: Pe
             assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             assert not await io_engine.write_from(data, peer.address, "dst", 0, meanwhile=lambda: calls.append(1))
             assert len(calls) == 12, "nothing was written, so nothing ran meanwhile"
+        finally:
+            await io_engine.close()
+            await engine.close()
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(90)
+def test_send_from_hands_bytes_over_and_answers_with_the_peers_acknowledgement(backend: str, peer: Peer) -> None:
+    """send_from: immutable bytes are handed over and the call returns before the peer answers; the
+    awaitable it gives is the peer's acknowledgement, carrying the write's error with its type (shared
+    memory copies at once: its errors come from the call). Many
+    handed over back to back all land. Mutable buffers are refused (the kernel may still read them
+    after the call); where tcp ops go through the I/O process it answers None and moves nothing."""
+
+    async def body() -> None:
+        engine = TransferEngine(backend=backend)
+        io_engine = TransferEngine(backend="tcp", io_process=True)
+        try:
+            datas = [bytes(rand_bytes(SLOT, 40 + i).numpy()) for i in range(8)]
+            acks = [await engine.send_from(d, peer.address, "dst", i * SLOT) for i, d in enumerate(datas)]
+            assert all(a is not None for a in acks)
+            for a in acks:
+                await a
+            for i, d in enumerate(datas):
+                assert peer.ask("digest", i * SLOT, SLOT) == digest(torch.frombuffer(bytearray(d), dtype=torch.uint8))
+            if backend == "tcp":  # a stopped peer cannot answer, yet the call returns; the ack comes once it runs
+                os.kill(peer.proc.pid, signal.SIGSTOP)
+                try:
+                    ack = await asyncio.wait_for(engine.send_from(datas[3], peer.address, "dst", 0), 5)
+                    await asyncio.sleep(0.2)
+                    assert not ack.done()
+                finally:
+                    os.kill(peer.proc.pid, signal.SIGCONT)
+                await ack
+                assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[3]), dtype=torch.uint8))
+            with pytest.raises(UnknownRegionError, match="'nope'"):  # from the call (shm) or its ack (tcp)
+                await (await engine.send_from(datas[0], peer.address, "nope", 0))
+            with pytest.raises(OutOfBoundsError, match="dst"):
+                await (await engine.send_from(datas[0], peer.address, "dst", 8 * MiB - 10))
+            with pytest.raises(TypeError, match="bytearray"):
+                await engine.send_from(bytearray(datas[0]), peer.address, "dst", 0)
+            with pytest.raises(PeerUnavailableError):
+                await (await engine.send_from(datas[0], f"127.0.0.1:{closed_port()}", "dst", 0, timeout_s=5))
+            await (await engine.send_from(datas[1], peer.address, "dst", 0))  # the path is still good
+            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[1]), dtype=torch.uint8))
+            assert await io_engine.send_from(datas[2], peer.address, "dst", 0) is None
+            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[1]), dtype=torch.uint8))
         finally:
             await io_engine.close()
             await engine.close()

@@ -376,9 +376,10 @@ class StoreClient:
         place = self._places.take(shape, loop.time())
         if place is not None:
             self._refill_soon(shape)  # now: the master reserves while this put writes, not during its commit
+        # out of stock: a few places now (a big reservation holds the master up), the rest in the background
         reserving = None if place is not None else await self._send(
             "ReservePlaces", self.stub.ReservePlaces,
-            self._reserve_request(shape, 1 + self._ahead(shape), for_a_put=True))
+            self._reserve_request(shape, 1 + self._refill_step(shape), for_a_put=True))
         # a caller's bytes are checksummed as they are: while the master reserves, if it does; else
         # while they travel (_write_place)
         csum = None if reserving is None or isinstance(data, torch.Tensor) else checksum(data)
@@ -391,28 +392,73 @@ class StoreClient:
                 return None
             place = got[0]
             self._places.add(shape, got[1:])
+            self._refill_soon(shape)
         assert place is not None
+        fast = self._fast
+        if self.config.commit_behind and isinstance(data, bytes) and fast is not None and not fast.closed:
+            return await self._put_behind(key, data, place, csum, soft_pin)
         try:
             csum = await self._write_place(data, size, place, csum)
         except TransferError as e:
-            logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, e)
-            await self._give_back([place.reservation])
-            metrics.client_op("put", "failed").inc()
+            await self._write_failed(key, place, e)
             return False
         end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
                                                                              checksum=csum, soft_pin=soft_pin)])
-        fast = self._fast
         if self.config.commit_behind and fast is not None and not fast.closed:  # ordered before our next call
             done_csum = csum
+            await self._behind.sent()  # after the commits of the puts before it
             await self._behind.add(key, fast.send("BatchPutEnd", end, self.config.rpc_timeout_s),
                                    lambda ok: self._settled(key, place, size, done_csum, ok))
             return True
+        await self._behind.sent()
         reply = await self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
         if not reply.reserved_ok or not reply.reserved_ok[0]:
             self._places.forget()  # the master did not know the place: it restarted, or the place lapsed
             return None
         self._settled(key, place, size, csum, True)
         return True
+
+    async def _put_behind(self, key: str, data: bytes, place: Place, csum: int | None, soft_pin: bool) -> bool:
+        """A single put of immutable bytes with commit_behind: it returns once they are handed to the data
+        plane (transfer.send_from; checksummed while they travel); each copy's acknowledgement and then
+        the commit follow behind, while the caller's next put moves (commits_behind.py)."""
+        size = len(data)
+        acks: list[Awaitable[object]] = []
+        staged: list[store_pb2.Replica] = []
+        try:
+            for rep in place.replicas:
+                ack = await self.transfer.send_from(data, rep.endpoint.address, rep.endpoint.region, rep.offset,
+                                                    self.config.transfer_timeout_s)
+                if ack is None:
+                    staged.append(rep)
+                else:
+                    acks.append(ack)
+            if csum is None:
+                csum = checksum(data)
+            if staged:
+                await self._write_staged(data, size, staged, csum)
+        except TransferError as e:
+            await asyncio.gather(*acks, return_exceptions=True)  # nothing of ours may land in a place given back
+            await self._write_failed(key, place, e)
+            return False
+        end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
+                                                                             checksum=csum, soft_pin=soft_pin)])
+        done_csum = csum
+
+        def commit() -> Awaitable[store_pb2.BatchPutEndReply]:
+            fast = self._fast
+            if fast is not None and not fast.closed:
+                return fast.send("BatchPutEnd", end, self.config.rpc_timeout_s)  # written now, in put order
+            return self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
+
+        await self._behind.add_landing(key, acks, commit, lambda ok: self._settled(key, place, size, done_csum, ok),
+                                       lambda e: self._write_failed(key, place, e))
+        return True
+
+    async def _write_failed(self, key: str, place: Place, error: BaseException) -> None:
+        logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, error)
+        await self._give_back([place.reservation])
+        metrics.client_op("put", "failed").inc()
 
     def _settled(self, key: str, place: Place, size: int, csum: int, ok: bool) -> None:
         """A single put's commit was answered (ok: taken)."""
@@ -452,18 +498,26 @@ class StoreClient:
             if not staged:
                 return sums[0] if sums else checksum(data)
             csum = sums[0] if sums else None
+        return await self._write_staged(data, size, staged, csum)
+
+    async def _write_staged(self, data: Data, size: int, replicas: list[store_pb2.Replica], csum: int | None) -> int:
+        """Write one object into these copies through the staging area; returns its checksum."""
+        assert self.staging is not None
         async with self.staging.lease([size]) as (off,):
             self.staging.stage(off, data)
             if csum is None:
                 csum = checksum(self.staging.slice(off, size))
             ops = [TransferOp("write", STAGING_REGION, off, rep.endpoint.address, rep.endpoint.region, rep.offset, size)
-                   for rep in staged]
+                   for rep in replicas]
             await self.transfer.submit(ops, timeout_s=self.config.transfer_timeout_s)
         return csum
 
     def _ahead(self, shape: Shape) -> int:
         """How many places of this shape to keep: reserve_ahead_bytes' worth, within [2, 64]."""
         return max(2, min(MAX_AHEAD, self.config.reserve_ahead_bytes // shape.size))
+
+    def _refill_step(self, shape: Shape) -> int:
+        return max(1, self._ahead(shape) // REFILL_STEPS)
 
     def _reserve_request(self, shape: Shape, count: int, for_a_put: bool = False) -> store_pb2.ReservePlacesRequest:
         return store_pb2.ReservePlacesRequest(client_id=self.config.client_id, size=shape.size, count=count,
@@ -484,7 +538,7 @@ class StoreClient:
         would hold up the next commit; a few places are reserved while a put is still writing."""
         ahead = self._ahead(shape)
         have = self._places.count(shape)
-        if have > ahead - max(1, ahead // REFILL_STEPS) or shape in self._refilling:
+        if have > ahead - self._refill_step(shape) or shape in self._refilling:
             return
         request = self._reserve_request(shape, ahead - have)
         fast = self._fast
@@ -522,6 +576,7 @@ class StoreClient:
         Objects that found no room are retried for up to `no_room_retry_s` while the master
         moves older objects to LMDB; what still finds none is reported False (a cache may drop).
         """
+        await self._behind.sent()  # commits in put order
         out = [False] * len(items)
         todo = list(range(len(items)))
         if self.config.reserve_ahead_bytes > 0 and self.staging is not None and items:
@@ -760,6 +815,7 @@ class StoreClient:
     # -- get ----------------------------------------------------------------------------------------
     async def get(self, key: str) -> bytes | None:
         """The object's bytes, or None on a miss (absent, unreachable or failing its checksum)."""
+        await self._behind.sent()  # our puts that returned are visible to our own gets
         reader = self._reader
         if reader is not None and reader.owners is not None:  # by key from its owner, if we know it
             h = self._hints.get(key)
@@ -846,6 +902,7 @@ class StoreClient:
         """Look keys up and read them (reads.py moves, checks and hands the bytes over); objects whose
         owner we know are asked of it by key first (`ask_owners`)."""
         assert self._reader is not None, "start() first"
+        await self._behind.sent()
         reader, got, index = self._reader, call.got, call.index
         step = max(1, self.config.get_batch_keys)
         todo = list(call.keys)
@@ -906,19 +963,23 @@ class StoreClient:
 
     # -- queries ------------------------------------------------------------------------------------
     async def exist(self, key: str) -> bool:
+        await self._behind.sent()
         return (await self._call("Exist", self.stub.Exist, store_pb2.ExistRequest(key=key))).exists
 
     async def batch_exist(self, keys: Sequence[str]) -> list[bool]:
+        await self._behind.sent()
         reply = await self._call("BatchExist", self.stub.BatchExist, store_pb2.BatchExistRequest(keys=list(keys)))
         return list(reply.exists)
 
     async def longest_prefix(self, keys: Sequence[str]) -> int:
         """How many leading keys of a block-hash chain the pool holds (the reusable prefix, in blocks)."""
+        await self._behind.sent()
         reply = await self._call("LongestPrefix", self.stub.LongestPrefix,
                                  store_pb2.LongestPrefixRequest(keys=list(keys)))
         return reply.num_keys
 
     async def remove(self, keys: Sequence[str]) -> int:
+        await self._behind.sent()
         self._hints.forget(keys)
         reply = await self._call("Remove", self.stub.Remove, store_pb2.RemoveRequest(keys=list(keys)))
         return reply.removed

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -241,6 +241,24 @@ class TransferEngine:
             if done is not LEFT:
                 return bool(done)
         return False
+
+    async def send_from(self, data: bytes, peer: str, remote_region: str, remote_offset: int,
+                        timeout_s: float | None = None) -> Awaitable[object] | None:
+        """Like write_from, but returns once the bytes are handed over, with the awaitable of the
+        peer's acknowledgement (it raises the write's TransferError; a transport that moves the bytes
+        at once, shared memory, raises from the call itself): the caller overlaps the wait
+        with its next work. Only for `bytes` (immutable: over tcp the kernel may still be reading
+        them after this returns). None, with nothing moved, where write_from would say False."""
+        self._check_open()
+        if not isinstance(data, bytes):
+            raise TypeError(f"send_from takes bytes (immutable), not {type(data).__name__}: use write_from")
+        src = memoryview(data)
+        timeout = timeout_s if timeout_s is not None else self._timeout_s
+        for transport in self._transports:
+            ack = await transport.send_from(src, peer, remote_region, remote_offset, timeout)
+            if ack is not LEFT:
+                return ack  # type: ignore[return-value]
+        return None
 
     async def read_bytes(self, peer: str, remote_region: str, remote_offset: int, length: int,
                          timeout_s: float | None = None) -> bytes | None:

@@ -231,6 +231,20 @@ async def run_one_wire(pool: PeerPool, wire: WireOp, timeout_s: float,
     return outcome if isinstance(outcome, BaseException) else None
 
 
+async def hand_over(pool: PeerPool, wire: WireOp, timeout_s: float) -> asyncio.Future[bytes | None]:
+    """One request handed to the least loaded connection, not waited for: its answer's future (it
+    carries the op's TransferError). For payloads nobody can change meanwhile (a `bytes` object's):
+    the transport may still be reading it after this returns."""
+    conns = pool.ready() or await pool.connections()
+    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
+    future = conn.send_now(wire, timeout_s)
+    if future is None:  # another sender is mid-way, or paced: queue behind it
+        sent: list[asyncio.Future[bytes | None]] = []
+        await conn.send([wire], timeout_s, sent)
+        future = sent[0]
+    return future
+
+
 def _outstanding(conn: ClientConnection) -> int:
     return conn.outstanding_bytes
 

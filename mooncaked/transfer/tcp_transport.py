@@ -9,14 +9,15 @@ per peer and speaks the Transport interface.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, TransferError, TransferOp
 from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.tcp_client import WireOp
-from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, run_one_tcp, run_one_wire, run_tcp
+from mooncaked.transfer.tcp_pool import PeerPool, fetch_info, hand_over, run_one_tcp, run_one_wire, run_tcp
 from mooncaked.transfer.transport import Outcome, Transport
 from mooncaked.transfer.wire import Op
 
@@ -78,6 +79,29 @@ class TcpTransport(Transport):
         if error is not None:
             raise error
         return True
+
+    async def send_from(self, src: memoryview, peer: str, region: str, offset: int,
+                        timeout_s: float) -> Awaitable[object] | None:
+        """The request with the caller's bytes handed to the connection, the peer's answer not waited
+        for: its future. The bytes must be immutable (uvloop may still be sending from them)."""
+        if src.nbytes == 0:
+            return None  # the staged path says what is wrong with it
+        if offset < 0:
+            raise TransferError(f"write of {src.nbytes} bytes at {offset}: need an offset >= 0")
+        try:
+            future = await hand_over(self.pool(peer), WireOp(Op.WRITE, region.encode("utf-8"), offset, src.nbytes,
+                                                              payload=src), timeout_s)
+        except TransferError:  # could not connect
+            metrics.count_op(self.label, "write", "initiator", False)
+            raise
+        size = src.nbytes
+
+        def count(f: asyncio.Future[bytes | None]) -> None:
+            ok = not f.cancelled() and f.exception() is None
+            metrics.count_op(self.label, "write", "initiator", ok, sent=size if ok else 0)
+
+        future.add_done_callback(count)
+        return future
 
     def outgoing_connections(self) -> dict[str, int]:
         return {p: len(pool.conns) for p, pool in self._pools.items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final
 
 from mooncaked.transfer.api import TransferOp
@@ -77,6 +77,14 @@ class Transport(ABC):
         moved) where this transport carries the op but not from a caller's buffer (stage it and
         submit); LEFT where the op is not this transport's to carry (the next one is asked)."""
         return False
+
+    async def send_from(self, src: memoryview, peer: str, region: str, offset: int,
+                        timeout_s: float) -> Awaitable[object] | None | Left:
+        """Hand an immutable caller's bytes (a `bytes` object's view) over to move into a peer's region,
+        without waiting for the peer: the awaitable of its acknowledgement (it raises the write's
+        TransferError). None (nothing moved) where this transport carries the op but not from a caller's
+        buffer; LEFT where the op is not this transport's (the next one is asked)."""
+        return None
 
     async def read_bytes(self, peer: str, region: str, offset: int, length: int, timeout_s: float) -> bytes | None:
         """A peer's bytes as a new bytes object, copied once; None where this transport cannot."""
