@@ -17,6 +17,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from mooncaked.store import fresh_bytes
 from mooncaked.store.owner_wire import REPLY, SERVED, KeyRequest, WireError, pack_request
 from mooncaked.store.master_link import host_of
 from mooncaked.store.records import Hasher, checksum_stream
@@ -65,7 +66,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._hpos = 0
         self._body: memoryview | None = None  # the served bytes' destination while they arrive
         self._bpos = 0
-        self._scratch = bytearray()  # where answers for read_bytes land (one at a time: answers come in order)
+        self._out: bytes | None = None  # the bytes a read_bytes answer lands in, unseen until checked (fresh_bytes)
+        self._scratch = bytearray()  # where such answers land instead off CPython (copied out once checked)
         self._hasher: Hasher | None = None  # hashes such an answer chunk by chunk as it lands
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -76,6 +78,7 @@ class _Conn(asyncio.BufferedProtocol):
 
     def fail(self, e: Exception) -> None:
         self.closed = True
+        self._body = self._out = None  # the view into _out first: nothing may write into it once it is let go
         while self.pending:
             p = self.pending.popleft()
             if not p.fut.done():
@@ -112,9 +115,13 @@ class _Conn(asyncio.BufferedProtocol):
                 self.fail(WireError(f"served {size} bytes for a {head.size}-byte object"))
                 return
             if head.into is None:
-                if len(self._scratch) < size:
-                    self._scratch = bytearray(size)
-                self._body, self._hasher = memoryview(self._scratch)[:size], checksum_stream()
+                if fresh_bytes.supported():  # straight into the bytes the get returns
+                    self._out, self._body = fresh_bytes.fresh(size)
+                else:
+                    if len(self._scratch) < size:
+                        self._scratch = bytearray(size)
+                    self._body = memoryview(self._scratch)[:size]
+                self._hasher = checksum_stream()
             else:
                 self._body = head.into
             self._bpos = 0
@@ -124,12 +131,15 @@ class _Conn(asyncio.BufferedProtocol):
     def _done(self, status: int) -> None:
         p = self.pending.popleft()
         hasher, self._hasher = self._hasher, None
+        out, self._out = self._out, None
         if p.fut.done():
             return
-        if p.into is None and status == SERVED:  # a read_bytes: checked, then copied out once
+        if p.into is None and status == SERVED:  # a read_bytes: handed over once checked (a bad one is dropped)
             assert hasher is not None
-            p.fut.set_result(bytes(memoryview(self._scratch)[:p.size]) if hasher.intdigest() == p.checksum
-                              else REWRITTEN)
+            if hasher.intdigest() != p.checksum:
+                p.fut.set_result(REWRITTEN)
+            else:
+                p.fut.set_result(out if out is not None else bytes(memoryview(self._scratch)[:p.size]))
         else:
             p.fut.set_result(status)
 
