@@ -83,3 +83,18 @@ async def test_a_write_failing_after_put_returned_is_reported_by_flush_and_the_o
         assert not await writer.exist("w/a")
         assert await writer.put("w/b", os.urandom(32 * KiB))  # one failure fails only itself
         assert await writer.flush() == ["w/b"]
+
+
+async def test_puts_behind_with_two_copies_land_in_both_owners():
+    """Each copy's acknowledgement is awaited before the commit: with two replicas, both owners hold
+    every object once flush() returned."""
+    clients = (("a", dict(dram_bytes=8 << 20)), ("b", dict(dram_bytes=8 << 20)),
+               ("writer", dict(commit_behind=True, replicas=2)), ("reader", {}))
+    async with pool(*clients) as (runner, (a, b, writer, reader)):
+        data = {f"r/{i}": os.urandom(96 * KiB) for i in range(16)}
+        for k, d in data.items():
+            assert await writer.put(k, d)
+        assert await writer.flush() == []
+        for k in data:
+            assert len(runner.master.objects[k].replicas) == 2, k
+        assert await reader.batch_get(list(data)) == list(data.values())
