@@ -83,7 +83,8 @@ class StoreClientConfig:
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
-    commit_behind: bool = False  # put() returns once its bytes landed and its commit is sent (commits_behind.py)
+    # put() returns once its bytes landed (`bytes`: once handed over) and its commit is sent (commits_behind.py)
+    commit_behind: bool = False
     keep_freed_heap: bool = True  # glibc keeps freed get results' memory for reuse, not faulted in again (heap.py)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
