@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 
 from mooncaked.store import fresh_bytes
 
-pytestmark = pytest.mark.skipif(not fresh_bytes.supported(), reason="needs CPython (its bytes layout)")
+
+
+def test_it_is_used_on_cpython_the_interpreter_we_run_on() -> None:
+    assert fresh_bytes.supported() == (sys.implementation.name == "cpython")
 
 
 @pytest.mark.parametrize("size", [1, 7, 4096, 512 * 1024 + 3])

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from transfer_helpers import PeerProcess, closed_port, digest, rand_bytes, run_uv
+from transfer_helpers import PeerProcess, closed_port, digest, digest_bytes, rand_bytes, run_uv
 
 from mooncaked.transfer import (
     OutOfBoundsError,
@@ -136,6 +136,20 @@ def test_single_op_errors_keep_their_types(backend: str, peer: Peer) -> None:
     run_uv(body())
 
 
+async def _errors_keep_their_types(write: Any, peer: Peer, data: bytes) -> None:
+    """`write(data, peer, region, offset, timeout_s=...)` moves a caller's bytes and returns True once
+    they landed: a bad region, an offset out of bounds and a dead peer fail with their own errors, and
+    the path is still good after each."""
+    with pytest.raises(UnknownRegionError, match="'nope'"):
+        await write(data, peer.address, "nope", 0)
+    with pytest.raises(OutOfBoundsError, match="dst"):
+        await write(data, peer.address, "dst", 8 * MiB - 10)
+    with pytest.raises(PeerUnavailableError):
+        await write(data, f"127.0.0.1:{closed_port()}", "dst", 0, timeout_s=5)
+    assert await write(data, peer.address, "dst", 0)
+    assert peer.ask("digest", 0, SLOT) == digest_bytes(data)
+
+
 @pytest.mark.timeout(90)
 def test_write_from_sends_a_callers_bytes_without_staging(backend: str, peer: Peer) -> None:
     """write_from: the caller's bytes (bytes, bytearray, a tensor's memoryview) land in the peer's
@@ -155,17 +169,10 @@ def test_write_from_sends_a_callers_bytes_without_staging(backend: str, peer: Pe
                     at = (3 * i + j) * 64 * KiB if size < 2 * MiB else 4 * MiB
                     assert peer.ask("fill", at, size, 99)
                     assert await engine.write_from(src, peer.address, "dst", at, meanwhile=lambda: calls.append(1))
-                    assert peer.ask("digest", at, size) == digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                    assert peer.ask("digest", at, size) == digest_bytes(data)
             assert len(calls) == 12, "meanwhile runs once per write"
             data = bytes(rand_bytes(SLOT, 5).numpy())
-            with pytest.raises(UnknownRegionError, match="'nope'"):
-                await engine.write_from(data, peer.address, "nope", 0)
-            with pytest.raises(OutOfBoundsError, match="dst"):
-                await engine.write_from(data, peer.address, "dst", 8 * MiB - 10)
-            with pytest.raises(PeerUnavailableError):
-                await engine.write_from(data, f"127.0.0.1:{closed_port()}", "dst", 0, timeout_s=5)
-            assert await engine.write_from(data, peer.address, "dst", 0)  # the path is still good
-            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            await _errors_keep_their_types(engine.write_from, peer, data)
             assert not await io_engine.write_from(data, peer.address, "dst", 0, meanwhile=lambda: calls.append(1))
             assert len(calls) == 12, "nothing was written, so nothing ran meanwhile"
         finally:
@@ -193,7 +200,7 @@ def test_send_from_hands_bytes_over_and_answers_with_the_peers_acknowledgement(b
             for a in acks:
                 await a
             for i, d in enumerate(datas):
-                assert peer.ask("digest", i * SLOT, SLOT) == digest(torch.frombuffer(bytearray(d), dtype=torch.uint8))
+                assert peer.ask("digest", i * SLOT, SLOT) == digest_bytes(d)
             if backend == "tcp":  # a stopped peer cannot answer, yet the call returns; the ack comes once it runs
                 os.kill(peer.proc.pid, signal.SIGSTOP)
                 try:
@@ -203,19 +210,18 @@ def test_send_from_hands_bytes_over_and_answers_with_the_peers_acknowledgement(b
                 finally:
                     os.kill(peer.proc.pid, signal.SIGCONT)
                 await ack
-                assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[3]), dtype=torch.uint8))
-            with pytest.raises(UnknownRegionError, match="'nope'"):  # from the call (shm) or its ack (tcp)
-                await (await engine.send_from(datas[0], peer.address, "nope", 0))
-            with pytest.raises(OutOfBoundsError, match="dst"):
-                await (await engine.send_from(datas[0], peer.address, "dst", 8 * MiB - 10))
+                assert peer.ask("digest", 0, SLOT) == digest_bytes(datas[3])
+
+            async def landed(data: bytes, *args: Any, **kw: Any) -> bool:
+                """send_from, then its ack: errors come from the call (shm) or the ack (tcp)."""
+                await (await engine.send_from(data, *args, **kw))
+                return True
+
+            await _errors_keep_their_types(landed, peer, datas[1])
             with pytest.raises(TypeError, match="bytearray"):
                 await engine.send_from(bytearray(datas[0]), peer.address, "dst", 0)
-            with pytest.raises(PeerUnavailableError):
-                await (await engine.send_from(datas[0], f"127.0.0.1:{closed_port()}", "dst", 0, timeout_s=5))
-            await (await engine.send_from(datas[1], peer.address, "dst", 0))  # the path is still good
-            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[1]), dtype=torch.uint8))
             assert await io_engine.send_from(datas[2], peer.address, "dst", 0) is None
-            assert peer.ask("digest", 0, SLOT) == digest(torch.frombuffer(bytearray(datas[1]), dtype=torch.uint8))
+            assert peer.ask("digest", 0, SLOT) == digest_bytes(datas[1])
         finally:
             await io_engine.close()
             await engine.close()

@@ -51,6 +51,11 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(t.reshape(-1).view(torch.uint8).numpy())).hexdigest()
 
 
+def digest_bytes(data: bytes) -> str:
+    """digest() of these bytes as a tensor."""
+    return hashlib.sha256(data).hexdigest()
+
+
 def closed_port() -> int:
     """A port nothing listens on (bound, then released)."""
     with socket.socket() as s:

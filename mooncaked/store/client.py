@@ -403,8 +403,7 @@ class StoreClient:
         except TransferError as e:
             await self._write_failed(key, place, e)
             return False
-        end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
-                                                                             checksum=csum, soft_pin=soft_pin)])
+        end = _commit_request(place, key, csum, soft_pin)
         if self.config.commit_behind and fast is not None and not fast.closed:  # ordered before our next call
             done_csum = csum
             await self._behind.sent()  # after the commits of the puts before it
@@ -442,17 +441,10 @@ class StoreClient:
             await asyncio.gather(*acks, return_exceptions=True)  # nothing of ours may land in a place given back
             await self._write_failed(key, place, e)
             return False
-        end = store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
-                                                                             checksum=csum, soft_pin=soft_pin)])
-        done_csum = csum
-
-        def commit() -> Awaitable[store_pb2.BatchPutEndReply]:
-            fast = self._fast
-            if fast is not None and not fast.closed:
-                return fast.send("BatchPutEnd", end, self.config.rpc_timeout_s)  # written now, in put order
-            return self._call("BatchPutEnd", self.stub.BatchPutEnd, end)
-
-        await self._behind.add_landing(key, acks, commit, lambda ok: self._settled(key, place, size, done_csum, ok),
+        end = _commit_request(place, key, csum, soft_pin)
+        done_csum = csum  # an int by now, for the callback
+        await self._behind.add_landing(key, acks, lambda: self._send("BatchPutEnd", self.stub.BatchPutEnd, end),
+                                       lambda ok: self._settled(key, place, size, done_csum, ok),
                                        lambda e: self._write_failed(key, place, e))
         return True
 
@@ -987,6 +979,12 @@ class StoreClient:
 
     async def pool_stats(self) -> store_pb2.PoolStatsReply:
         return await self._call("PoolStats", self.stub.PoolStats, store_pb2.PoolStatsRequest())
+
+
+def _commit_request(place: Place, key: str, csum: int, soft_pin: bool) -> store_pb2.BatchPutEndRequest:
+    """The commit of one put into a place reserved ahead."""
+    return store_pb2.BatchPutEndRequest(reserved=[store_pb2.ReservedPut(reservation=place.reservation, key=key,
+                                                                        checksum=csum, soft_pin=soft_pin)])
 
 
 __all__ = ["StoreClient", "StoreClientConfig", "StoreError", "StoreUnavailable"]

@@ -45,12 +45,13 @@ class CommitsBehind:
         await self._keep(asyncio.ensure_future(self._settle(key, reply, settled)))
 
     async def add_landing(self, key: str, acks: list[Awaitable[object]],
-                          commit: Callable[[], Awaitable[store_pb2.BatchPutEndReply]],
+                          commit: Callable[[], Awaitable[Awaitable[store_pb2.BatchPutEndReply]]],
                           settled: Callable[[bool], None], failed: Callable[[BaseException], Awaitable[None]]) -> None:
-        """A put whose bytes may still be landing: `commit()` is called (it sends the commit) once every
-        ack came and the puts before it sent theirs; `failed(error)` instead when a write failed."""
+        """A put whose bytes may still be landing: `commit()` is awaited (it sends the commit and gives its
+        reply's awaitable) once every ack came and the puts before it sent theirs; `failed(error)` instead
+        when a write failed."""
         if (self._last_sent is None or self._last_sent.done()) and all(_went_well(a) for a in acks):
-            await self.add(key, commit(), settled)  # nothing to wait for: sent now, as a plain commit behind
+            await self.add(key, await commit(), settled)  # nothing to wait for: sent now, as a plain commit behind
             return
         before, sent = self._last_sent, asyncio.get_running_loop().create_future()
         self._last_sent = sent
@@ -62,7 +63,7 @@ class CommitsBehind:
         await asyncio.sleep(0)
 
     async def _land(self, key: str, acks: list[Awaitable[object]], before: asyncio.Future[None] | None,
-                    sent: asyncio.Future[None], commit: Callable[[], Awaitable[store_pb2.BatchPutEndReply]],
+                    sent: asyncio.Future[None], commit: Callable[[], Awaitable[Awaitable[store_pb2.BatchPutEndReply]]],
                     settled: Callable[[bool], None], failed: Callable[[BaseException], Awaitable[None]]) -> None:
         reply = None
         error: BaseException | None = None
@@ -76,7 +77,7 @@ class CommitsBehind:
                 await before
             if error is None:
                 try:
-                    reply = commit()
+                    reply = await commit()
                 except StoreError as e:  # no way to the master now
                     error = e
         finally:

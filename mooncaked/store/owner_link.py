@@ -30,29 +30,31 @@ DOWN_S = 1.0  # after a failed connection or a late answer, that owner is read t
 GRACE_S = 0.05  # an owner's answer is given up after this, plus its bytes at SLOW_BYTES_PER_S
 SLOW_BYTES_PER_S = 100e6
 CONNECT_GRACE_S = 0.2  # a read waits this long for a new connection; it keeps opening in the background
-SCRATCH_MAX_BYTES = 64 << 20  # the largest object read_bytes takes (its connection keeps a buffer that big)
+SCRATCH_MAX_BYTES = 64 << 20  # the largest object read_bytes takes (off CPython its connection keeps a buffer that big)
 REWRITTEN = -2  # read_bytes: served, but not the bytes asked for (the place was rewritten while sent)
 _ids = itertools.count(1)
 
 
 @dataclass(slots=True)
 class OwnerRead:
-    """One object asked of an owner: its bytes land in `into` (exactly `size` bytes) when served."""
+    """One object asked of an owner: its bytes land in `into` (exactly `size` bytes) when served; with no
+    `into` (read_bytes), in a new bytes object, checked against `checksum` as they land."""
 
     key: str
     size: int
     checksum: int
-    into: memoryview
+    into: memoryview | None = None
 
 
 class _Pending:
-    """One request in flight. `into` None: a single get wanting `bytes` (read_bytes): its answer lands
-    in the connection's scratch buffer, is hashed as it arrives and copied out once, checked."""
+    """One request in flight. A read with no `into` is a single get wanting `bytes` (read_bytes): its
+    answer lands in the bytes object it is handed over as (fresh_bytes), hashed as it arrives, and is
+    handed over only if it matches."""
 
-    __slots__ = ("req_id", "into", "fut", "size", "checksum")
+    __slots__ = ("req_id", "read", "fut")
 
-    def __init__(self, req_id: int, into: memoryview | None, fut: asyncio.Future, size: int, checksum: int) -> None:
-        self.req_id, self.into, self.fut, self.size, self.checksum = req_id, into, fut, size, checksum
+    def __init__(self, req_id: int, read: OwnerRead, fut: asyncio.Future) -> None:
+        self.req_id, self.read, self.fut = req_id, read, fut
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -109,24 +111,27 @@ class _Conn(asyncio.BufferedProtocol):
         if not self.pending or self.pending[0].req_id != req_id:
             self.fail(WireError(f"an answer to request {req_id} nobody asked for"))
             return
-        head = self.pending[0]
+        head = self.pending[0].read
         if status == SERVED:
             if size != head.size:
                 self.fail(WireError(f"served {size} bytes for a {head.size}-byte object"))
                 return
-            if head.into is None:
-                if fresh_bytes.supported():  # straight into the bytes the get returns
-                    self._out, self._body = fresh_bytes.fresh(size)
-                else:
-                    if len(self._scratch) < size:
-                        self._scratch = bytearray(size)
-                    self._body = memoryview(self._scratch)[:size]
-                self._hasher = checksum_stream()
-            else:
+            if head.into is not None:
                 self._body = head.into
+            else:  # a read_bytes
+                self._out, self._body = self._landing(size)
+                self._hasher = checksum_stream()
             self._bpos = 0
         else:
             self._done(status)
+
+    def _landing(self, size: int) -> tuple[bytes | None, memoryview]:
+        """Where a read_bytes answer lands: the bytes the get returns (CPython), else the scratch buffer."""
+        if fresh_bytes.supported():
+            return fresh_bytes.fresh(size)
+        if len(self._scratch) < size:
+            self._scratch = bytearray(size)
+        return None, memoryview(self._scratch)[:size]
 
     def _done(self, status: int) -> None:
         p = self.pending.popleft()
@@ -134,12 +139,13 @@ class _Conn(asyncio.BufferedProtocol):
         out, self._out = self._out, None
         if p.fut.done():
             return
-        if p.into is None and status == SERVED:  # a read_bytes: handed over once checked (a bad one is dropped)
+        r = p.read
+        if r.into is None and status == SERVED:  # a read_bytes: handed over once checked (a bad one is dropped)
             assert hasher is not None
-            if hasher.intdigest() != p.checksum:
+            if hasher.intdigest() != r.checksum:
                 p.fut.set_result(REWRITTEN)
             else:
-                p.fut.set_result(out if out is not None else bytes(memoryview(self._scratch)[:p.size]))
+                p.fut.set_result(out if out is not None else bytes(memoryview(self._scratch)[:r.size]))
         else:
             p.fut.set_result(status)
 
@@ -163,32 +169,32 @@ class OwnerLinks:
     async def read(self, address: str, reads: list[OwnerRead]) -> list[int]:
         """Each read's status (owner_wire): SERVED means its `into` holds the bytes the owner sent (not
         yet checked). Raises TransferError when the owner cannot be asked or does not answer in time."""
-        return await self._ask(address, [(r.key, r.size, r.checksum, r.into) for r in reads])
+        return await self._ask(address, reads)
 
     async def read_bytes(self, address: str, key: str, size: int, csum: int) -> bytes | int:
         """One object as new `bytes`, checked against `csum`; else its status: NOT_HELD, WINDOW_CLOSED,
         or REWRITTEN (served, but its place was rewritten while sent). No staging: the answer lands in
-        the connection's scratch buffer. Raises TransferError as read() does."""
+        the bytes returned. Raises TransferError as read() does."""
         if size > SCRATCH_MAX_BYTES:
             raise TransferError(f"owner {address}: {size} bytes is over the {SCRATCH_MAX_BYTES}-byte read_bytes limit")
-        return (await self._ask(address, [(key, size, csum, None)]))[0]
+        return (await self._ask(address, [OwnerRead(key, size, csum)]))[0]
 
-    async def _ask(self, address: str, asks: list[tuple[str, int, int, memoryview | None]]) -> list:
+    async def _ask(self, address: str, reads: list[OwnerRead]) -> list:
         loop = asyncio.get_running_loop()
         conn = self._conns.get(address)
         if conn is None or conn.closed:
             conn = await self._connected(address)
-        deadline = min(self.timeout_s, GRACE_S + sum(a[1] for a in asks) / SLOW_BYTES_PER_S)
+        deadline = min(self.timeout_s, GRACE_S + sum(r.size for r in reads) / SLOW_BYTES_PER_S)
         # one timer, not asyncio.timeout: its context machinery costs more than a small read's bookkeeping
         timer = loop.call_at(loop.time() + deadline, conn.fail, TimeoutError(f"no answer within {deadline:.3f}s"))
         try:
             futs = []
             frames = []
-            for key, size, csum, into in asks:
+            for r in reads:
                 req_id = next(_ids)
                 fut = loop.create_future()
-                conn.pending.append(_Pending(req_id, into, fut, size, csum))
-                frames.append(pack_request(KeyRequest(req_id, key, size, csum)))
+                conn.pending.append(_Pending(req_id, r, fut))
+                frames.append(pack_request(KeyRequest(req_id, r.key, r.size, r.checksum)))
                 futs.append(fut)
             assert conn.transport is not None
             conn.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))

@@ -7,8 +7,8 @@ the segments shm.py; this module reads peers' regions from the engine's PeerDire
 
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from mooncaked.transfer import metrics

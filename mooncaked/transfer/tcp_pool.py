@@ -167,16 +167,11 @@ async def _run_lane(
 
 async def _run_one(conn: ClientConnection, op: WireOp, timeout_s: float,
                    meanwhile: Callable[[], object] | None = None) -> BaseException | bytes | None:
-    """One op on one connection: its result or error. Handed to the transport
-    right here when the connection is idle (no lock, no extra coroutine).
+    """One op on one connection: its result or error (handed over by _send_one).
     `meanwhile` runs once the request is handed over, while the peer works."""
     sent: list[asyncio.Future[bytes | None]] = []
     try:
-        future = conn.send_now(op, timeout_s)
-        if future is None:  # another sender is mid-way, or paced: queue behind it
-            await conn.send([op], timeout_s, sent)
-        else:
-            sent.append(future)
+        await _send_one(conn, op, timeout_s, sent)
         if meanwhile is not None:
             meanwhile()
         return await sent[0]
@@ -225,9 +220,7 @@ async def run_one_tcp(pool: PeerPool, regions: RegionTable, op: TransferOp, time
 async def run_one_wire(pool: PeerPool, wire: WireOp, timeout_s: float,
                        meanwhile: Callable[[], object] | None = None) -> BaseException | None:
     """One request on the least loaded connection: None or its error (see _run_one for `meanwhile`)."""
-    conns = pool.ready() or await pool.connections()
-    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
-    outcome = await _run_one(conn, wire, timeout_s, meanwhile)
+    outcome = await _run_one(await _least_loaded(pool), wire, timeout_s, meanwhile)
     return outcome if isinstance(outcome, BaseException) else None
 
 
@@ -235,14 +228,25 @@ async def hand_over(pool: PeerPool, wire: WireOp, timeout_s: float) -> asyncio.F
     """One request handed to the least loaded connection, not waited for: its answer's future (it
     carries the op's TransferError). For payloads nobody can change meanwhile (a `bytes` object's):
     the transport may still be reading it after this returns."""
+    sent: list[asyncio.Future[bytes | None]] = []
+    await _send_one(await _least_loaded(pool), wire, timeout_s, sent)
+    return sent[0]
+
+
+async def _least_loaded(pool: PeerPool) -> ClientConnection:
     conns = pool.ready() or await pool.connections()
-    conn = min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
-    future = conn.send_now(wire, timeout_s)
+    return min(conns, key=_outstanding) if len(conns) > 1 else conns[0]
+
+
+async def _send_one(conn: ClientConnection, op: WireOp, timeout_s: float,
+                    sent: list[asyncio.Future[bytes | None]]) -> None:
+    """Hand one op to the connection: at once when it is idle (no lock, no coroutine), else queued
+    behind the sender in the middle. Its future lands in `sent` as soon as anything went out."""
+    future = conn.send_now(op, timeout_s)
     if future is None:  # another sender is mid-way, or paced: queue behind it
-        sent: list[asyncio.Future[bytes | None]] = []
-        await conn.send([wire], timeout_s, sent)
-        future = sent[0]
-    return future
+        await conn.send([op], timeout_s, sent)
+    else:
+        sent.append(future)
 
 
 def _outstanding(conn: ClientConnection) -> int:

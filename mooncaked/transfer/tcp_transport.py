@@ -66,11 +66,9 @@ class TcpTransport(Transport):
         """Zero copy on this side: the caller's buffer goes to the kernel as it is, with no staging
         copy; `meanwhile` runs while the peer receives it. The buffer must stay unchanged until
         this returns (until then the kernel may still be reading it)."""
-        if src.nbytes == 0:
-            return False  # the staged path says what is wrong with it
-        if offset < 0:
-            raise TransferError(f"write of {src.nbytes} bytes at {offset}: need an offset >= 0")
-        wire = WireOp(Op.WRITE, region.encode("utf-8"), offset, src.nbytes, payload=src)
+        wire = _write_of(src, region, offset)
+        if wire is None:
+            return False
         try:
             error = await run_one_wire(self.pool(peer), wire, timeout_s, meanwhile)
         except TransferError as e:  # could not connect
@@ -84,13 +82,11 @@ class TcpTransport(Transport):
                         timeout_s: float) -> Awaitable[object] | None:
         """The request with the caller's bytes handed to the connection, the peer's answer not waited
         for: its future. The bytes must be immutable (uvloop may still be sending from them)."""
-        if src.nbytes == 0:
-            return None  # the staged path says what is wrong with it
-        if offset < 0:
-            raise TransferError(f"write of {src.nbytes} bytes at {offset}: need an offset >= 0")
+        wire = _write_of(src, region, offset)
+        if wire is None:
+            return None
         try:
-            future = await hand_over(self.pool(peer), WireOp(Op.WRITE, region.encode("utf-8"), offset, src.nbytes,
-                                                              payload=src), timeout_s)
+            future = await hand_over(self.pool(peer), wire, timeout_s)
         except TransferError:  # could not connect
             metrics.count_op(self.label, "write", "initiator", False)
             raise
@@ -110,3 +106,12 @@ class TcpTransport(Transport):
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def _write_of(src: memoryview, region: str, offset: int) -> WireOp | None:
+    """The write request carrying a caller's bytes; None for no bytes (the staged path says what is wrong)."""
+    if src.nbytes == 0:
+        return None
+    if offset < 0:
+        raise TransferError(f"write of {src.nbytes} bytes at {offset}: need an offset >= 0")
+    return WireOp(Op.WRITE, region.encode("utf-8"), offset, src.nbytes, payload=src)
