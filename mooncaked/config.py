@@ -487,7 +487,7 @@ class WorkerConfig(RoleConfig):
     enable_prefix_caching: bool = _setting(True, _bool, "reuse KV blocks of shared prefixes")
     exact_small_steps: bool = _setting(True, _bool,
                                        "on CPU with bf16 weights on a 4-bit grid (the default model) and our "
-                                       "AVX-512 kernels: steps of up to 8 sequences and 64 tokens multiply in fp32, "
+                                       "AVX-512 kernels: steps of up to 16 sequences and 64 tokens multiply in fp32, "
                                        "so one short request gets the exact path's greedy tokens; off: bf16, "
                                        "a shorter time-to-first-token for a short turn")
     transfer_backend: str = _setting("auto", _choice(TRANSFER_BACKENDS),

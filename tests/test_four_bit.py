@@ -217,7 +217,7 @@ def test_an_fp16_layer_on_the_grid_reads_4_bits_with_fp32_activations_for_a_few_
     lin = _grid_linear(seed=8)
     layer = Fp16Linear(lin, dense=True)
     assert isinstance(layer.four_bit, FourBitFp32)
-    few, mid, many = torch.randn(layer.four_bit.rows, 576), torch.randn(16, 576), torch.randn(80, 576)
+    few, mid, many = torch.randn(layer.four_bit.rows, 576), torch.randn(layer.four_bit.rows + 1, 576), torch.randn(80, 576)
     with torch.no_grad():
         torch.testing.assert_close(layer(few), layer.four_bit(few) + lin.bias, rtol=0, atol=0)
         torch.testing.assert_close(layer(few), lin(few), rtol=1e-5, atol=1e-5)  # the grid's weights, fp32 sums

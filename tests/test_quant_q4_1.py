@@ -105,8 +105,9 @@ def test_the_bf16_engine_reads_a_q4_1_ggufs_weights_as_4_bits(tmp_path: Path, bp
 def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_path: Path, bpe_vocab: Vocab) -> None:
     """The default path on a Q4_1 GGUF where the native kernel runs: a step of a few sequences and few tokens
     multiplies in fp32 (every call by the 4-bit kernel with fp32 activations), so one prompt at a time gets the
-    exact path's tokens; a batch of 16 runs bf16."""
+    exact path's tokens, and so do up to 16 short prompts at once; a longer step runs bf16."""
     from mooncaked.engine.bf16_weights import EXACT_ROWS, Bf16Linear
+    from mooncaked.engine.four_bit import NATIVE_ROWS
     from native_kernels import native_or_skip
     from test_engine_precision import NO_BF16_HERE
 
@@ -124,6 +125,15 @@ def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_p
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (3, 9, 17, EXACT_ROWS)]
     for p in prompts:
         assert fast.generate([p], params)[0].token_ids == exact.generate([p], params)[0].token_ids, len(p)
+    # 16 short prompts at once: their prefill (48 tokens) and every decode step of 16 rows are small steps too
+    batch = [torch.randint(3, 250, (3,), generator=g).tolist() for _ in range(NATIVE_ROWS)]
+    want = [exact.generate([p], params)[0].token_ids for p in batch]
+    bf16_rows = _count_bf16_rows(layers)
+    assert [o.token_ids for o in fast.generate(batch, params)] == want
+    assert bf16_rows == [], "a step of 16 short sequences went through the bf16 GEMM"
+    fresh = torch.randint(3, 250, (EXACT_ROWS + 1,), generator=g).tolist()  # nothing of it in the prefix cache
+    fast.generate([fresh], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert bf16_rows == [EXACT_ROWS + 1] * len(layers)  # a longer step does
 
     def gap(p: list[int]) -> float:
         """How far the fast engine's best 16 logits (rescored in fp32 by its head) are from the exact one's."""
@@ -143,3 +153,20 @@ def test_the_bf16_engine_gives_fp32s_greedy_tokens_for_a_lone_short_prompt(tmp_p
     want, got = exact.score(short), off.score(short)
     top = want.topk(16, dim=-1).indices
     assert (got.gather(-1, top) - want.gather(-1, top)).abs().max().item() > 1e-3
+
+
+def _count_bf16_rows(layers: list) -> list[int]:
+    """From now on, the row count of every call that goes through these layers' bf16 GEMM."""
+    seen: list[int] = []
+
+    class Counted:
+        def __init__(self, packed) -> None:
+            self.packed = packed
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+            return self.packed(x)
+
+    for m in layers:
+        m.weight = Counted(m.weight)
+    return seen

@@ -1,5 +1,5 @@
 """Weights that already lie on a 4-bit grid (a Q4 GGUF's, as the default model's) read as 4 bits
-where a step is bound by reading them: a call of a few rows (a decode step of batch 1 to 4, or to 8
+where a step is bound by reading them: a call of a few rows (a decode step of batch 1 to 4, or to 16
 with our native kernel; a prefill of a few new tokens).
 
 Why: such a step reads every weight once, 269 MB a step for the default model in bf16 and about
@@ -30,10 +30,11 @@ INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu packs output rows in 16s
 # (2 threads), batch 5 50.9 against 40.4. (With the weights in cache, as a one-layer bench has them, bf16 wins
 # from 2 rows.)
 FOUR_BIT_ROWS = 4
-# the same for our native fp32 kernel (FourBitFp32), which rebuilds each block's weights once for up to 16 rows:
-# 30 layers' linear weights of the default model, AVX-512 Zen 5 host, 2 vCPUs, ms at 1 / 4 / 8 / 16 rows: 4.6 /
-# 6.7 / 9.5 / 18.9 against oneDNN bf16's 10.9 / 12.5 / 13.3 / 12.5 (docs/performance.md)
-NATIVE_ROWS = 8
+# the same for our native fp32 kernel (FourBitFp32), which rebuilds each pair of inputs' weights once for up to
+# 16 rows: 30 layers' linear weights of the default model, AVX-512 Zen 5 host, 2 vCPUs, ms at 1 / 4 / 8 / 12 / 16
+# rows: 2.7 / 4.0 / 7.4 / 10.1 / 12.1 against oneDNN bf16's 8.3 / 8.4 / 9.7 / 10.6 / 12.1 (docs/performance.md):
+# a decode step of up to 16 sequences multiplies by the grid's own weights with fp32 activations, at bf16's cost
+NATIVE_ROWS = 16
 # a weight is on the grid when re-quantizing it moves no value by more than this share of its group's step
 GRID_TOLERANCE = 1e-3
 
@@ -106,12 +107,14 @@ class FourBitFp32:
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, kernel: Q4Linear) -> None:
         n, k = q.shape
-        blocks = q.reshape(n, k // INT4_GROUP, INT4_GROUP)
-        # byte j of a block: value j in the low nibble, value j + 16 in the high one (what the kernel unpacks)
-        half = INT4_GROUP // 2
-        self.packed = (blocks[..., :half] | (blocks[..., half:] << 4)).reshape(n, k // 2).contiguous()
-        self.scale = scale.float().contiguous()
-        self.offset = (zero - 8 * scale).float().contiguous()  # w = scale * q + offset, q in 0..15
+        tiles = n // INT4_ROWS
+        # tiles of 16 output features (what the kernel unpacks): byte j of input pair p holds feature j's value
+        # of input 2p in the low nibble and of 2p + 1 in the high one; scales and offsets [tile, block, j]
+        pairs = q.reshape(tiles, INT4_ROWS, k // 2, 2)
+        self.packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()
+        offset = zero - 8 * scale  # w = scale * q + offset, q in 0..15
+        self.scale, self.offset = (v.float().reshape(tiles, INT4_ROWS, k // INT4_GROUP).permute(0, 2, 1).contiguous()
+                                   for v in (scale, offset))
         self.kernel = kernel
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:

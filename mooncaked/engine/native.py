@@ -71,7 +71,8 @@ def cpu_cannot_run(flags: frozenset[str] | None = None) -> str | None:
 
 
 def q4_kernel() -> Q4Linear | None:
-    """``q4_linear(x, qp, d, m)`` (csrc/q4_gemv.cpp), or None where the native module is unavailable."""
+    """``q4_linear(x, qt, dt, mt)`` (csrc/q4_gemv.cpp: weights in tiles of 16 output features, as FourBitFp32
+    holds them), or None where the native module is unavailable."""
     module = native_module()
     return None if module is None else module.q4_linear
 
