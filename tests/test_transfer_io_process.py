@@ -46,6 +46,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _shm_files() -> list[str]:
+    return os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+
+
 def _wait_gone(pid: int) -> None:
     """Until the process is gone (reaped or a zombie of a dead parent); the test's timeout bounds it."""
     while _alive(pid):
@@ -79,6 +83,11 @@ def test_bytes_land_both_ways_through_the_io_process_with_typed_errors() -> None
             dst = peer.alloc_region("dst", n)
             await io.submit([TransferOp("write", "src", o, addr, "dst", o, 2 * MiB) for o in range(0, n, 2 * MiB)])
             assert torch.equal(dst, src)
+            # its regions are memfds the child maps (handed over by descriptor), not files in /dev/shm that a
+            # killed engine would leave behind
+            assert not [f for f in _shm_files() if f.startswith(f"mooncaked-{os.getpid()}-")]
+            with open(f"/proc/{pid}/maps") as f:
+                assert f.read().count("memfd:mooncaked-region") >= 2
             # many small reads: more than one window of requests ahead of their answers on a connection
             await io.submit([TransferOp("read", "back", o, addr, "dst", o, 4 * KiB) for o in range(0, n, 4 * KiB)])
             assert torch.equal(back, src)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
@@ -36,6 +37,7 @@ from mooncaked.transfer.backends import Wiring, chain
 from mooncaked.transfer.conn_guard import ConnLimits
 from mooncaked.transfer.handshake import check_token
 from mooncaked.transfer.peers import PeerDirectory
+from mooncaked.transfer.private_memory import create_private
 from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.host import host_id
@@ -94,6 +96,7 @@ class TransferEngine:
         wiring = Wiring(self._regions, self._peers, self._tcp, host, io_config)
         self._transports: list[Transport] = chain(backend, wiring)
         self._shared_memory = any(t.shared_memory for t in self._transports)
+        self._private_memory = any(t.private_memory for t in self._transports)
         self._host_id = host_id()
         self.address: str | None = None
         self._closed = False
@@ -140,7 +143,8 @@ class TransferEngine:
         """Allocate, prefault and register `nbytes`; returns a uint8 tensor.
 
         When a transport wants it (backend shm/auto) the memory is a POSIX shm segment, so a peer
-        on this host maps the same pages and a transfer is one memcpy.
+        on this host maps the same pages and a transfer is one memcpy; else, with the tcp I/O process,
+        a memfd that process maps (private_memory.py).
         """
         if nbytes <= 0:
             raise TransferError(f"region size must be positive, got {nbytes}")
@@ -150,6 +154,14 @@ class TransferEngine:
                 region = self._regions.add(name, segment.tensor, segment.shm_name, segment.unlink)
             except BaseException:
                 segment.unlink()
+                raise
+        elif self._private_memory:
+            fd, mapping = create_private(nbytes)
+            try:
+                memory = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+                region = self._regions.add(name, memory, on_release=lambda: os.close(fd), fd=fd)
+            except BaseException:
+                os.close(fd)
                 raise
         else:
             region = self._regions.add(name, torch.zeros(nbytes, dtype=torch.uint8))

@@ -1,11 +1,13 @@
 """The tcp transport in a dedicated I/O process: a busy engine does not starve its pushes.
 
-The engine's side of io_worker.py. Regions are allocated in shared memory (`shared_memory`), the
-I/O process maps them, and each peer's share of a batch crosses the private socketpair as one
-command and one completion (io_wire.py); the bytes never pass through the engine's interpreter.
-Ops on a region the I/O process cannot reach (registered from a caller's tensor, not
-alloc_region'ed into shared memory), and shares too small to pay for the hop (MIN_SHARE_BYTES), are
-answered LEFT, so the in-process tcp transport behind it in the chain carries them.
+The engine's side of io_worker.py. Regions the engine allocates are memory the I/O process maps:
+a memfd whose descriptor crosses a second private socket (`private_memory`, private_memory.py: no
+name in /dev/shm, gone with the engine), or, where a backend puts them in /dev/shm anyway (auto),
+the named segment. Each peer's share of a batch crosses the private socketpair as one command and
+one completion (io_wire.py); the bytes never pass through the engine's interpreter. Ops on a region
+the I/O process cannot reach (registered from a caller's tensor, not alloc_region'ed), and shares
+too small to pay for the hop (MIN_SHARE_BYTES), are answered LEFT, so the in-process tcp transport
+behind it in the chain carries them.
 
 Failure: if the I/O process dies, every batch in flight on it fails at once with a
 PeerUnavailableError that says so (end of stream on the socketpair), and the next submit starts a
@@ -28,6 +30,7 @@ from typing import Any
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerUnavailableError, TransferError, TransferOp
 from mooncaked.transfer.io_wire import MAX_OPS_PER_SUBMIT, decode_error, frame, read_frame
+from mooncaked.transfer.private_memory import send_descriptor
 from mooncaked.transfer.regions import Region, RegionTable
 from mooncaked.transfer.transport import LEFT, Outcome, Transport
 
@@ -40,6 +43,9 @@ through the I/O process), which a bulk transfer amortizes and a single small put
 START_TIMEOUT_S = 30.0
 """The I/O process imports no torch (well under a second), but a loaded 2-core machine is slow."""
 STOP_TIMEOUT_S = 5.0
+DESCRIPTOR_TIMEOUT_S = 5.0
+"""Handing a region's descriptor over never waits in practice (a few regions, a socket buffer of room); bounded
+all the same, since it runs on the engine's loop."""
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,6 +55,7 @@ class _Child:
 
     proc: subprocess.Popen[bytes]
     writer: asyncio.StreamWriter
+    descriptors: socket.socket  # blocking SOCK_SEQPACKET: one region's memfd a message (private_memory.py)
     pending: dict[int, asyncio.Future[list[Any]]] = field(default_factory=dict)
     reader: asyncio.Task[None] | None = None
 
@@ -66,7 +73,7 @@ class IoProcessTransport(Transport):
     """tcp through a child process; one per engine, started with the engine."""
 
     label = "tcp"
-    shared_memory = True
+    private_memory = True
 
     def __init__(self, regions: RegionTable, config: dict[str, Any]) -> None:
         self._regions = regions
@@ -97,13 +104,21 @@ class IoProcessTransport(Transport):
 
     async def _spawn(self) -> _Child:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds_ours, fds_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fds_ours.settimeout(DESCRIPTOR_TIMEOUT_S)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "mooncaked.transfer.io_worker", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen([sys.executable, "-m", "mooncaked.transfer.io_worker", str(theirs.fileno()),
+                                     str(fds_theirs.fileno())], pass_fds=(theirs.fileno(), fds_theirs.fileno()),
+                                    env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            fds_ours.close()
+            raise
         finally:
             theirs.close()
+            fds_theirs.close()
         try:
             reader, writer = await asyncio.open_connection(sock=ours)
             writer.write(frame(("config", self._config)))  # the secret goes here, never on a command line
@@ -113,9 +128,10 @@ class IoProcessTransport(Transport):
                 raise PeerUnavailableError(f"the transfer I/O process did not start (exit code {proc.poll()})")
         except BaseException:
             ours.close()
+            fds_ours.close()
             proc.kill()
             raise
-        child = _Child(proc, writer)
+        child = _Child(proc, writer, fds_ours)
         for region in self._regions.all():
             self._map(child, region)
         child.reader = asyncio.get_running_loop().create_task(self._read(child, reader))
@@ -133,6 +149,7 @@ class IoProcessTransport(Transport):
             logger.error("transfer I/O process %d sent a bad message: %s", child.proc.pid, e)
         finally:
             child.writer.close()
+            child.descriptors.close()
             code = child.proc.poll()
             if code is None:
                 child.proc.kill()
@@ -154,9 +171,17 @@ class IoProcessTransport(Transport):
     def _map(self, child: _Child, region: Region) -> None:
         if region.info.shm_name is not None:
             child.send(("map", region.info.name, region.info.shm_name, region.info.nbytes))
+        elif region.fd is not None:  # the descriptor first: the command finds it waiting
+            try:
+                send_descriptor(child.descriptors, region.info.name, region.fd)
+            except OSError as e:  # the child is gone: its reader fails what is in flight, the next submit restarts
+                logger.warning("cannot hand region %r to the transfer I/O process %d: %s", region.info.name,
+                               child.proc.pid, e)
+                return
+            child.send(("map_fd", region.info.name, region.info.nbytes))
 
     def unregister(self, region: Region) -> None:
-        if region.info.shm_name is not None and self._child is not None and self._child.alive:
+        if self._reachable_region(region) and self._child is not None and self._child.alive:
             self._child.send(("unmap", region.info.name))
 
     async def submit(self, peer: str, ops: list[TransferOp], timeout_s: float) -> list[Outcome]:
@@ -174,7 +199,11 @@ class IoProcessTransport(Transport):
 
     def _reachable(self, op: TransferOp) -> bool:
         region = self._regions.get(op.local_region)
-        return region is not None and region.info.shm_name is not None
+        return region is not None and self._reachable_region(region)
+
+    @staticmethod
+    def _reachable_region(region: Region) -> bool:
+        return region.info.shm_name is not None or region.fd is not None
 
     async def _run(self, child: _Child, peer: str, ops: list[TransferOp], timeout_s: float) -> list[BaseException | None]:
         batch_id = next(self._ids)
@@ -208,3 +237,4 @@ class IoProcessTransport(Transport):
             child.proc.kill()
         if child.reader is not None:
             await child.reader
+        child.descriptors.close()

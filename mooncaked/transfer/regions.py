@@ -33,6 +33,7 @@ class Region:
     flat: torch.Tensor  # uint8, 1-D, same memory
     view: memoryview  # writable, format 'B', same memory
     on_release: Callable[[], None] | None = None  # e.g. unlink the shm segment
+    fd: int | None = None  # private memory's descriptor (private_memory.py), for our I/O process only
 
     def slice_view(self, offset: int, length: int) -> memoryview:
         return self.view[offset : offset + length]
@@ -63,6 +64,7 @@ class RegionTable:
         tensor: torch.Tensor,
         shm_name: str | None = None,
         on_release: Callable[[], None] | None = None,
+        fd: int | None = None,
     ) -> Region:
         encoded = name.encode("utf-8")
         if not encoded or len(encoded) > MAX_REGION_NAME_BYTES:
@@ -71,7 +73,7 @@ class RegionTable:
             raise TransferError(f"region {name!r} is already registered; unregister it first")
         flat, view = byte_views(tensor)
         info = RegionInfo(name, flat.numel(), shm_name, flat.data_ptr())  # == tensor.data_ptr()
-        region = Region(info, tensor, flat, view, on_release)
+        region = Region(info, tensor, flat, view, on_release, fd)
         self._regions[name] = region
         logger.debug("registered region %r (%d bytes, shm=%s)", name, info.nbytes, shm_name)
         return region

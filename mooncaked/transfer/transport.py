@@ -46,6 +46,9 @@ class Transport(ABC):
     """The backend label of its metrics and logs."""
     shared_memory: bool = False
     """Whether it wants the engine's regions allocated in /dev/shm (alloc_region)."""
+    private_memory: bool = False
+    """Whether it wants them, where none wants /dev/shm, in memory a process of ours maps by descriptor
+    (private_memory.py: the transfer I/O process)."""
 
     async def start(self, regions: RegionTable) -> None:
         """Set up what needs the engine started (e.g. Mooncake's engine); may raise
