@@ -499,9 +499,10 @@ class WorkerConfig(RoleConfig):
     transfer_rate_limit: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                                "cap the data plane's send rate, bytes/s (emulates a slower "
                                                "network in benchmarks; default: no cap)", "SIZE")
-    transfer_io_process: bool = _setting(False, _bool, "run this engine's tcp transfers in a dedicated I/O "
-                                         "process (the KV region then lives in shared memory), so a busy engine "
-                                         "does not starve its KV pushes")
+    transfer_io_process: bool = _setting(True, _bool, "run this engine's tcp transfers of 2 MiB or more a peer "
+                                         "in a dedicated I/O process (its regions then live in memory that "
+                                         "process maps), so a busy engine does not starve its KV pushes; off "
+                                         "while --transfer-rate-limit is set (the I/O process does not pace)")
     kv_push: str = _setting("layerwise", _choice(("layerwise", "after_prefill")),
                             _choices_help("how a prefill sends the prompt's KV cache to decode:", KV_PUSH_HELP),
                             "MODE")
@@ -523,11 +524,14 @@ class WorkerConfig(RoleConfig):
         super().__post_init__()
         if self.transfer_listen is None:
             object.__setattr__(self, "transfer_listen", HostPort(self.listen.host, 0))
-        if self.transfer_io_process and self.transfer_rate_limit:
-            raise ConfigError("transfer_io_process and transfer_rate_limit exclude each other: the I/O process "
-                              "does not pace; drop one")
         if self.store_lmdb_bytes and not self.store_lmdb_path:
             raise ConfigError("store_lmdb_bytes is set but store_lmdb_path is not: say where the LMDB tier lives")
+
+    @property
+    def io_process(self) -> bool:
+        """Whether this engine's tcp transfers run in an I/O process: asked for, and no rate limit to keep
+        (the I/O process does not pace; the in-process data plane does)."""
+        return self.transfer_io_process and not self.transfer_rate_limit
 
     def engine_config(self) -> EngineConfig:
         """The `mooncaked.engine.EngineConfig` these settings describe (imports torch, hence lazily)."""

@@ -227,8 +227,12 @@ def test_each_role_help_shows_its_own_flags_each_with_its_default(role):
             load_config(parser.parse_args(["--role", role, other, "x"]), {})
 
 
-def test_transfer_io_process_is_a_flag_that_excludes_a_rate_limit():
-    assert _load(["--role", "decode", "--transfer-io-process"]).transfer_io_process is True
-    assert _load(["--role", "prefill"]).transfer_io_process is False
-    with pytest.raises(ConfigError, match="transfer_io_process and transfer_rate_limit exclude each other"):
-        _load(["--role", "prefill", "--transfer-io-process", "--transfer-rate-limit", "1MiB"])
+def test_the_transfer_io_process_is_on_by_default_and_off_under_a_rate_limit():
+    default = _load(["--role", "prefill"])
+    assert default.transfer_io_process is True and default.io_process is True
+    off = _load(["--role", "decode", "--no-transfer-io-process"])
+    assert off.transfer_io_process is False and off.io_process is False
+    # the I/O process does not pace: a rate limit keeps the in-process data plane, which does
+    capped = _load(["--role", "prefill", "--transfer-rate-limit", "1MiB"])
+    assert capped.transfer_io_process is True and capped.io_process is False
+    assert _load(["--role", "prefill", "--transfer-io-process", "--transfer-rate-limit", "1MiB"]).io_process is False

@@ -5,7 +5,9 @@ Rows (the same total bytes, moved as fixed-size blocks):
            preallocated buffer (the ceiling for any tcp transport here)
   tcp      TransferEngine(backend="tcp"), one batch of write ops (default
            4 connections per peer, and again with 1), and tcp_io: the same
-           through the engine's I/O process (io_process=True)
+           through the engine's I/O process (io_process=True: what mooncaked's
+           engines run, --transfer-io-process, on by default; `tcp` is the
+           in-process path, --no-transfer-io-process)
   memcpy   torch copy_ and ctypes.memmove of the same blocks in one process
   shm      TransferEngine(backend="shm"), peer in another process
   mooncake mooncake-transfer-engine's TCP transport, when importable
@@ -418,7 +420,8 @@ def _tcp_figures(best: dict[str, float], median: dict[str, float]) -> dict[str, 
             "tcp_vs_socket_median": round(median["tcp"] / median["socket"], 3),
             "tcp_1conn_vs_socket": round(best["tcp_1conn"] / best["socket"], 3),
             "tcp_io_vs_socket": round(best["tcp_io"] / best["socket"], 3),
-            "tcp_io_vs_socket_median": round(median["tcp_io"] / median["socket"], 3)}
+            "tcp_io_vs_socket_median": round(median["tcp_io"] / median["socket"], 3),
+            "engines_default": "tcp_io"}
 
 
 def _paired(runs: dict[str, list[float]], row: str, baseline: str) -> float:

@@ -48,7 +48,9 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     backend = "tcp" if cfg.transfer_backend == "auto" else cfg.transfer_backend
     transfer = TransferEngine(backend=backend, host=cfg.transfer_listen.host, port=cfg.transfer_listen.port,
                               rate_limit_bytes_per_s=cfg.transfer_rate_limit, token=security.token,
-                              io_process=cfg.transfer_io_process)
+                              io_process=cfg.io_process)
+    if cfg.transfer_io_process and not cfg.io_process:
+        log.info("transfer I/O process off: --transfer-rate-limit is set, and only the in-process data plane paces")
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     model_dir = await loop.run_in_executor(None, resolve_model_dir, cfg.model, cache_dir)
     # built on the thread that will step it: one OpenMP team in the process (engine/engine_thread.py)
