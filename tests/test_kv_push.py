@@ -12,6 +12,7 @@ from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.llm_engine import StepSeq
 from mooncaked.instance.kv_push import KV_REGION, SMALL_STEP_TOKENS, KVPush
 from mooncaked.transfer import TransferEngine
+from mooncaked.transfer.io_transport import IoProcessTransport
 from transfer_helpers import run_uv
 
 LAYERS, BLOCK, HEADS, DIM = 3, 16, 2, 8
@@ -23,16 +24,22 @@ def pools(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def push_steps(tokens: int, steps: list[tuple[int, int]], last_layer: int = LAYERS - 1,
-                     layerwise: bool = True) -> tuple[KVPush, torch.Tensor, torch.Tensor, list[int], list[int]]:
+                     layerwise: bool = True, io_process: bool = False) -> tuple[KVPush, torch.Tensor, torch.Tensor,
+                                                                                 list[int], list[int]]:
     """Push a ``tokens``-token prompt computed in ``steps`` (start, count) in order; returns the push, both
-    pools and both block lists."""
+    pools and both block lists. ``io_process``: the prefill's engine as mooncaked's engines run by default,
+    its KV in memory its I/O process maps."""
     blocks = -(-tokens // BLOCK)
     src, dst = pools(2 * blocks + 1)
-    a, b = TransferEngine(), TransferEngine()
+    a, b = TransferEngine(io_process=io_process), TransferEngine()
     await a.start()
     addr = await b.start()
     try:
-        a.register(KV_REGION, src)
+        if io_process:
+            kv = a.alloc_region(KV_REGION, src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+            src = kv.copy_(src)
+        else:
+            a.register(KV_REGION, src)
         b.register(KV_REGION, dst)
         local = list(range(blocks))
         remote = list(range(blocks + 1, 2 * blocks + 1))  # elsewhere in the decode's pool
@@ -98,3 +105,21 @@ def test_push_after_prefill_sends_the_whole_prompt_once_after_its_last_step():
                                                       layerwise=False))
     assert len(push.tasks) == 1
     assert push.complete and landed(src, dst, local, remote, tokens, range(LAYERS))
+
+
+@pytest.mark.timeout(60)
+def test_a_big_layer_goes_through_the_engines_io_process(monkeypatch):
+    """2 MiB a layer or more: the I/O process sends it (mooncaked's engines run one by default)."""
+    handed: list[int] = []  # bytes of each batch handed to the child (the real method runs)
+    real_run = IoProcessTransport._run
+
+    async def counted(self, child, peer, ops, timeout_s):
+        handed.append(sum(op.length for op in ops))
+        return await real_run(self, child, peer, ops, timeout_s)
+
+    monkeypatch.setattr(IoProcessTransport, "_run", counted)
+    tokens = 16 * 1024 + 5  # each layer's K and V: 2 x 16,389 x 2 heads x 8 dims x 4 bytes, just over 2 MiB
+    push, src, dst, local, remote = run_uv(push_steps(tokens, [(0, tokens)], io_process=True))
+    assert len(push.tasks) == LAYERS
+    assert push.complete and landed(src, dst, local, remote, tokens, range(LAYERS))
+    assert handed == [2 * tokens * HEADS * DIM * 4] * LAYERS
