@@ -499,7 +499,7 @@ class WorkerConfig(RoleConfig):
     transfer_rate_limit: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                                "cap the data plane's send rate, bytes/s (emulates a slower "
                                                "network in benchmarks; default: no cap)", "SIZE")
-    transfer_io_process: bool = _setting(True, _bool, "run this engine's tcp transfers of 2 MiB or more a peer "
+    transfer_io_process: bool = _setting(True, _bool, "run this engine's tcp transfers of 16 MiB or more a peer "
                                          "in a dedicated I/O process (its regions then live in memory that "
                                          "process maps), so a busy engine does not starve its KV pushes; off "
                                          "while --transfer-rate-limit is set (the I/O process does not pace)")

@@ -12,6 +12,7 @@ from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.engine.llm_engine import StepSeq
 from mooncaked.instance.kv_push import KV_REGION, SMALL_STEP_TOKENS, KVPush
 from mooncaked.transfer import TransferEngine
+from mooncaked.transfer import io_transport
 from mooncaked.transfer.io_transport import IoProcessTransport
 from transfer_helpers import run_uv
 
@@ -109,7 +110,7 @@ def test_push_after_prefill_sends_the_whole_prompt_once_after_its_last_step():
 
 @pytest.mark.timeout(60)
 def test_a_big_layer_goes_through_the_engines_io_process(monkeypatch):
-    """2 MiB a layer or more: the I/O process sends it (mooncaked's engines run one by default)."""
+    """A layer over MIN_SHARE_BYTES: the I/O process sends it (mooncaked's engines run one by default)."""
     handed: list[int] = []  # bytes of each batch handed to the child (the real method runs)
     real_run = IoProcessTransport._run
 
@@ -118,6 +119,7 @@ def test_a_big_layer_goes_through_the_engines_io_process(monkeypatch):
         return await real_run(self, child, peer, ops, timeout_s)
 
     monkeypatch.setattr(IoProcessTransport, "_run", counted)
+    monkeypatch.setattr(io_transport, "MIN_SHARE_BYTES", 2 * 1024 * 1024)  # a bulk share at this test's scale
     tokens = 16 * 1024 + 5  # each layer's K and V: 2 x 16,389 x 2 heads x 8 dims x 4 bytes, just over 2 MiB
     push, src, dst, local, remote = run_uv(push_steps(tokens, [(0, tokens)], io_process=True))
     assert len(push.tasks) == LAYERS

@@ -24,6 +24,7 @@ import torch
 import uvloop
 from transfer_helpers import rand_bytes, run_uv
 
+from mooncaked.transfer import io_transport
 from mooncaked.transfer import (
     OutOfBoundsError,
     PeerUnavailableError,
@@ -35,6 +36,13 @@ from mooncaked.transfer import (
 )
 
 KiB, MiB = 1024, 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _small_shares_go_to_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests move 4-8 MiB shares: route them through the child as bigger ones are (the engines' own
+    threshold, io_transport.MIN_SHARE_BYTES, is where the hop stops costing on an idle host)."""
+    monkeypatch.setattr(io_transport, "MIN_SHARE_BYTES", 2 * MiB)
 SECRET = b"io-process-test-secret"
 
 
@@ -103,6 +111,12 @@ def test_bytes_land_both_ways_through_the_io_process_with_typed_errors() -> None
             io.register("plain", plain)
             await io.submit([TransferOp("write", "plain", 0, addr, "dst", 0, MiB)])
             assert torch.equal(dst[:MiB], plain)
+            # and a caller's bytes go as they are, in-process, with no staging (a single pool put's path)
+            assert await io.write_from(bytes(src[:MiB].numpy()), addr, "dst", MiB)
+            ack = await io.send_from(bytes(src[MiB:2 * MiB].numpy()), addr, "dst", 2 * MiB)
+            assert ack is not None
+            await ack
+            assert torch.equal(dst[MiB:2 * MiB], src[:MiB]) and torch.equal(dst[2 * MiB:3 * MiB], src[MiB:2 * MiB])
             assert io.stats().io_process_pid == pid  # one child served it all
         finally:
             await io.close()

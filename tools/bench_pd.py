@@ -7,10 +7,10 @@ as long as computing it. Measures, in the same run:
   transfer = KV bytes / rate cap
   TTFT with kv_push=layerwise and with kv_push=after_prefill.
 Aim: TTFT(layerwise) <= 1.25 x max(compute, transfer); push-after-prefill pays compute + transfer.
-The uncapped runs take the engines' default, their transfer I/O processes (tcp pushes of 2 MiB or more a
-layer go through them; a rate cap turns them off: they do not pace). ``--io-process`` also runs the uncapped
-layer-wise cluster with ``--no-transfer-io-process``: what the hop to the I/O process costs a push (a prompt of
-1,366 tokens or more makes a layer of the default model's fp32 KV 2 MiB).
+The uncapped runs take the engines' default, their transfer I/O processes (tcp shares of 16 MiB or more a
+peer go through them, io_transport.MIN_SHARE_BYTES; a rate cap turns them off: they do not pace).
+``--io-process`` also runs the uncapped layer-wise cluster with ``--no-transfer-io-process``: what the I/O
+process costs a push (a layer of the default model's fp32 KV is 1.5 KiB a token: 16 MiB at 10,923 tokens).
 
     python tools/bench_pd.py [--quick] [--json] [--model PATH] [--prompt-len N] [--io-process]
 

@@ -20,7 +20,10 @@ the default wheel needs libcuda.so.1; Debian's libibverbs1 must be installed). W
 cannot run, the output says "baseline unavailable: <reason>" and still gives our figures.
 
 Usage: python tools/bench_store.py [--quick] [--json] [--objects N] [--object-kib K] [--batch B] [--token]
-[--only ours,ours_shm,ours_grpc,mooncake] [--phases]
+[--only ours,ours_shm,ours_grpc,ours_io,mooncake] [--phases]
+--only ...,ours_io: also the driver on a transfer engine with its I/O process, as an engine's own client
+runs (shares of 16 MiB or more a peer go through it: here none, so it shows what the engines' default costs
+the pool's traffic).
 --token: our master and clients share a cluster secret (gRPC metadata; the fast path's and the
 transfer ports' handshake, once per connection).
 
@@ -120,12 +123,26 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
     from mooncaked.store import StoreClient, StoreClientConfig
     from mooncaked.store.metrics import OWNER_GETS
 
-    async def main() -> dict[str, Any]:
-        client = StoreClient(StoreClientConfig(master=master, client_id="bench-driver", transfer_backend=backend,
-                                               fast_path=fast_path,
-                                               staging_bytes=max(64 * MiB, 2 * batch * size)),
-                             security=_security(token_file))
+    from mooncaked.transfer import TransferEngine
+
+    transfers: list[TransferEngine] = []
+
+    async def open_client(**settings: Any) -> StoreClient:
+        """A driver's client; with backend tcp_io, on a transfer engine with its I/O process, as an engine's
+        client runs (its engine's transfer engine, --transfer-io-process on by default)."""
+        security = _security(token_file)
+        transfer = None
+        if backend == "tcp_io":
+            transfer = TransferEngine(backend="tcp", host="127.0.0.1", token=security.token, io_process=True)
+            await transfer.start()
+            transfers.append(transfer)
+        client = StoreClient(StoreClientConfig(master=master, transfer_backend="tcp" if transfer else backend,
+                                               fast_path=fast_path, **settings), transfer, security=security)
         await client.start()
+        return client
+
+    async def main() -> dict[str, Any]:
+        client = await open_client(client_id="bench-driver", staging_bytes=max(64 * MiB, 2 * batch * size))
         owner_hits = OWNER_GETS.labels("hit")._value.get()
         index_hits = OWNER_GETS.labels("index")._value.get()
         data = payloads(n, size)
@@ -161,10 +178,7 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         await client.remove(bkeys)
         await client.close()
         # single puts whose commit overlaps the next put's transfer (commit_behind): a client of its own
-        behind = StoreClient(StoreClientConfig(master=master, client_id="bench-driver-cb", transfer_backend=backend,
-                                               fast_path=fast_path, commit_behind=True),
-                             security=_security(token_file))
-        await behind.start()
+        behind = await open_client(client_id="bench-driver-cb", commit_behind=True)
         for i in range(4):
             await behind.put(f"warm-cb/{i}", data[i])
         behind_lat = []
@@ -179,6 +193,8 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         behind_tail = time.perf_counter() - t  # counted: the last puts' bytes and commits still in flight
         await behind.remove(ckeys)
         await behind.close()
+        for transfer in transfers:
+            await transfer.close()
         return {"put": summarize(put_lat, size), "get": summarize(get_lat, size),
                 "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size),
                 "put_commit_behind": summarize(behind_lat, size, behind_tail), "get_share_by_owner": owner_share,
@@ -209,7 +225,8 @@ def run_our_layout(driver_main: Any, args: tuple, backend: str, dram_bytes: int,
             raise RuntimeError(f"store master did not start: {line!r}")
         addr = f"127.0.0.1:{port}"
         owner_pipe, child = CTX.Pipe()
-        owner = CTX.Process(target=_our_owner, args=(child, addr, dram_bytes, backend, token_file), daemon=True)
+        owner_backend = "tcp" if backend == "tcp_io" else backend  # the owner only serves: no I/O process to use
+        owner = CTX.Process(target=_our_owner, args=(child, addr, dram_bytes, owner_backend, token_file), daemon=True)
         owner.start()
         if not owner_pipe.poll(60) or owner_pipe.recv() != "ready":
             raise RuntimeError("our owner process did not start")
@@ -411,7 +428,8 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # our rows: (transfer backend, metadata on the master's fast path); auto = shm between processes on one host
-SYSTEMS = {"ours": ("tcp", True), "ours_shm": ("auto", True), "ours_grpc": ("tcp", False)}
+SYSTEMS = {"ours": ("tcp", True), "ours_shm": ("auto", True), "ours_grpc": ("tcp", False), "ours_io": ("tcp_io", True)}
+DEFAULT_SYSTEMS = ("ours", "ours_shm", "ours_grpc")  # ours_io on request (--only): the engines' own client
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None, help="repetitions, alternating systems (default 3, quick 1)")
     p.add_argument("--token", action="store_true", help="our processes share a (random) cluster secret")
     p.add_argument("--only", default="", help="comma-separated systems to run (of ours, ours_shm, ours_grpc, "
-                   "mooncake; default all): for quick comparisons while working")
+                   "ours_io, mooncake; default all but ours_io)")
     p.add_argument("--scale", action="store_true", help="the master at scale: 1,000,000 objects (--quick: 100,000) "
                    "on --segments segments, metadata only, ours and mooncake_master")
     p.add_argument("--phases", action="store_true", help="where one put and one get spend their time over TCP, "
@@ -448,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         token_file = os.path.join(token_dir, "cluster-token")
         with open(os.open(token_file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600), "w") as f:
             f.write(os.urandom(32).hex())
-    only = set(args.only.split(",")) if args.only else {*SYSTEMS, "mooncake"}
+    only = set(args.only.split(",")) if args.only else {*DEFAULT_SYSTEMS, "mooncake"}
     if only - {*SYSTEMS, "mooncake"}:
         raise SystemExit(f"bench_store --only: unknown systems {sorted(only - {*SYSTEMS, 'mooncake'})}")
     systems = {name: v for name, v in SYSTEMS.items() if name in only}
@@ -468,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {"object_bytes": size, "objects": n, "batch": args.batch, "reps": reps,
                            "transport": {"ours": "tcp loopback", "ours_shm": "shared memory (backend auto)",
                                          "ours_grpc": "tcp loopback, metadata over gRPC (no fast path)",
+                                         "ours_io": "tcp loopback, the driver's transfer engine with its I/O process "
+                                                    "(as an engine's client runs)",
                                          "mooncake": "tcp loopback"},
                            "floors": floors(n, size), "cluster_secret": bool(token_file)}
     for name in systems:

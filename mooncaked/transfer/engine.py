@@ -242,9 +242,10 @@ class TransferEngine:
         """Move a caller's bytes (in no registered region) into a peer's region without staging
         them: through shared memory, one memcpy; over in-process tcp, the caller's buffer handed to
         the kernel as it is. True when done; then `meanwhile` (e.g. the bytes' checksum) was called
-        once, while the peer received them where the transport waits for it. False, with nothing
-        moved, where the carrying transport cannot (rdma, the tcp I/O process, shm to a region not
-        in shared memory): stage the bytes in a registered region and submit() instead."""
+        once, while the peer received them where the transport waits for it (with the tcp I/O process,
+        the in-process tcp transport sends them). False, with nothing moved, where the carrying
+        transport cannot (rdma, shm to a region not in shared memory): stage the bytes in a registered
+        region and submit() instead."""
         self._check_open()
         src = memoryview(data).cast("B")
         timeout = timeout_s if timeout_s is not None else self._timeout_s

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from mooncaked.transfer import metrics
@@ -32,14 +33,16 @@ from mooncaked.transfer.api import PeerUnavailableError, TransferError, Transfer
 from mooncaked.transfer.io_wire import MAX_OPS_PER_SUBMIT, decode_error, frame, read_frame
 from mooncaked.transfer.private_memory import send_descriptor
 from mooncaked.transfer.regions import Region, RegionTable
-from mooncaked.transfer.transport import LEFT, Outcome, Transport
+from mooncaked.transfer.transport import LEFT, Left, Outcome, Transport
 
 logger = logging.getLogger(__name__)
 
-MIN_SHARE_BYTES = 2 * 1024 * 1024
-"""A peer's share below this stays on the in-process tcp transport: the hop to the I/O process and
-back costs ~0.25 ms (measured: a single 512 KiB write, p50 0.15-0.2 ms in-process vs 0.4-0.5 ms
-through the I/O process), which a bulk transfer amortizes and a single small put/get would not."""
+MIN_SHARE_BYTES = 16 * 1024 * 1024
+"""A peer's share below this stays on the in-process tcp transport. The hop to the I/O process and back
+costs ~0.2 ms a batch: one submit of n x 512 KiB writes to a peer on an idle host (docs/performance.md,
+"Data plane") took 0.59x / 0.71x / 0.88x the in-process time's speed at 2 / 4 / 8 MiB, and 1.31x / 1.06x /
+1.09x at 16 / 32 / 64 MiB. From 16 MiB the I/O process is no slower idle, and under contention it keeps
+1.07-1.19x a plain socket where the in-process path falls to 0.72-0.80x."""
 START_TIMEOUT_S = 30.0
 """The I/O process imports no torch (well under a second), but a loaded 2-core machine is slow."""
 STOP_TIMEOUT_S = 5.0
@@ -187,7 +190,7 @@ class IoProcessTransport(Transport):
     async def submit(self, peer: str, ops: list[TransferOp], timeout_s: float) -> list[Outcome]:
         results: list[Outcome] = [LEFT] * len(ops)
         mine = [i for i, op in enumerate(ops) if self._reachable(op)]
-        if sum(ops[i].length for i in mine) < MIN_SHARE_BYTES:
+        if sum(ops[i].length for i in mine) < MIN_SHARE_BYTES:  # read here: tests lower it
             return results
         child = await self._ensure_started()
         for start in range(0, len(mine), MAX_OPS_PER_SUBMIT):
@@ -196,6 +199,15 @@ class IoProcessTransport(Transport):
             for i, error in zip(part, errors, strict=True):
                 results[i] = error
         return results
+
+    async def write_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float,
+                         meanwhile: Callable[[], object] | None = None) -> Left:
+        """A caller's buffer is no region the child maps: the in-process tcp transport sends it as it is (a
+        single op's bytes, under MIN_SHARE_BYTES anyway, or a big one, which staging for the hop would copy)."""
+        return LEFT
+
+    async def send_from(self, src: memoryview, peer: str, region: str, offset: int, timeout_s: float) -> Left:
+        return LEFT  # as write_from
 
     def _reachable(self, op: TransferOp) -> bool:
         region = self._regions.get(op.local_region)
