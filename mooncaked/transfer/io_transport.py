@@ -31,7 +31,7 @@ from typing import Any
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerUnavailableError, TransferError, TransferOp
 from mooncaked.transfer.io_wire import MAX_OPS_PER_SUBMIT, decode_error, frame, read_frame
-from mooncaked.transfer.private_memory import send_descriptor
+from mooncaked.transfer.private_memory import DESCRIPTOR_TIMEOUT_S, send_descriptor
 from mooncaked.transfer.regions import Region, RegionTable
 from mooncaked.transfer.transport import LEFT, Left, Outcome, Transport
 
@@ -46,9 +46,6 @@ costs ~0.2 ms a batch: one submit of n x 512 KiB writes to a peer on an idle hos
 START_TIMEOUT_S = 30.0
 """The I/O process imports no torch (well under a second), but a loaded 2-core machine is slow."""
 STOP_TIMEOUT_S = 5.0
-DESCRIPTOR_TIMEOUT_S = 5.0
-"""Handing a region's descriptor over never waits in practice (a few regions, a socket buffer of room); bounded
-all the same, since it runs on the engine's loop."""
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -3,8 +3,8 @@
 Measured (docs/performance.md, "Data plane"): a busy engine starves its own pushes because its
 Python (a scheduler step, a burst of request handling) holds the GIL the socket code needs; an
 I/O thread shares that GIL and does not help. This process has its own interpreter: it maps the
-engine's regions (their memfds, or their /dev/shm segments: shm_files.map_segment), so it sends straight from and receives
-straight into them, over blocking sockets, one thread per connection (tcp_blocking.py: the same
+engine's regions (their memfds, private_memory.py, or their /dev/shm segments, shm_files.map_segment), so it
+sends straight from and receives straight into them, over blocking sockets, one thread per connection (tcp_blocking.py: the same
 wire, the cluster-secret handshake, per-op deadlines). The engine sends one command per batch and
 gets one completion back (io_wire.py).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from mooncaked.transfer.api import TransferError, check_bounds
 from mooncaked.transfer.io_wire import encode_error, frame, recv_frame
-from mooncaked.transfer.private_memory import receive_mapping
+from mooncaked.transfer.private_memory import DESCRIPTOR_TIMEOUT_S, receive_mapping
 from mooncaked.transfer.shm_files import map_segment
 from mooncaked.transfer.tcp_blocking import BlockingBatch, BlockingPool, Result
 from mooncaked.transfer.tcp_client import WireOp
@@ -36,7 +36,6 @@ from mooncaked.transfer.wire import Op
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-DESCRIPTOR_TIMEOUT_S = 5.0
 MAX_LANE_THREADS = 32
 """Lanes running at once (each holds one connection); more wait for a thread."""
 
@@ -44,7 +43,7 @@ MAX_LANE_THREADS = 32
 class IoWorker:
     """Regions mapped by name, one connection pool per peer, the batches in flight by id."""
 
-    def __init__(self, sock: socket.socket, config: dict[str, Any], descriptors: socket.socket | None = None) -> None:
+    def __init__(self, sock: socket.socket, descriptors: socket.socket, config: dict[str, Any]) -> None:
         self._sock = sock
         self._descriptors = descriptors  # the engine's regions' memfds, one a message (private_memory.py)
         self._send_lock = threading.Lock()
@@ -87,12 +86,11 @@ class IoWorker:
     def _map_fd(self, region: str, nbytes: int) -> None:
         """The region's memfd was sent before this command (io_transport.py): it is waiting on the socket."""
         try:
-            if self._descriptors is None:
-                raise TransferError("this I/O process was started without a descriptor socket")
             self._maps[region] = memoryview(receive_mapping(self._descriptors, region, nbytes))
-        except (OSError, TransferError) as e:
-            self._maps[region] = e if isinstance(e, TransferError) else TransferError(
-                f"cannot map region {region!r} in the transfer I/O process: {e}")
+        except TransferError as e:
+            self._maps[region] = e  # its ops fail with this
+        except OSError as e:
+            self._maps[region] = TransferError(f"cannot map region {region!r} in the transfer I/O process: {e}")
 
     def _unmap(self, region: str) -> None:
         self._maps.pop(region, None)  # the mapping goes once no op in flight holds a view of it
@@ -154,21 +152,19 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s transfer-io[%(process)d] %(levelname)s %(message)s")
     _die_with_parent()
     sock = socket.socket(fileno=int(argv[1]))
-    descriptors = socket.socket(fileno=int(argv[2])) if len(argv) > 2 else None
-    if descriptors is not None:
-        descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)  # sent before its command: a wait means the engine is gone
+    descriptors = socket.socket(fileno=int(argv[2]))
+    descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
     config = recv_frame(sock)
     if config is None or config[0] != "config" or os.getppid() == 1:
         return 1  # the engine is already gone
-    worker = IoWorker(sock, config[1], descriptors)
+    worker = IoWorker(sock, descriptors, config[1])
     worker.send(("ready", os.getpid()))
     try:
         worker.serve()
     finally:
         worker.close()
         sock.close()
-        if descriptors is not None:
-            descriptors.close()
+        descriptors.close()
     return 0
 
 

@@ -16,9 +16,13 @@ import os
 import socket
 
 from mooncaked.transfer.api import TransferError
+from mooncaked.transfer.shm_files import reserve_and_map
 
 MEMFD_NAME = "mooncaked-region"  # what /proc/PID/maps shows; not a path anyone can open
 NAME_BYTES = 1024  # the region name sent with a descriptor, at most (MAX_REGION_NAME_BYTES is less)
+DESCRIPTOR_TIMEOUT_S = 5.0
+"""Bounds both ends of the descriptor socket: a descriptor is sent just before its command and never waits in
+practice (a few regions, a socket buffer of room), so a wait means the other process is gone."""
 
 
 def create_private(nbytes: int) -> tuple[int, mmap.mmap]:
@@ -29,11 +33,7 @@ def create_private(nbytes: int) -> tuple[int, mmap.mmap]:
         raise TransferError(f"region size must be positive, got {nbytes}")
     fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
     try:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            raise TransferError(f"cannot allocate a {nbytes}-byte region: {e}") from e
-        return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        return fd, reserve_and_map(fd, nbytes, "of memory")
     except BaseException:
         os.close(fd)
         raise

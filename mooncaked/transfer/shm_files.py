@@ -40,6 +40,17 @@ def check_private(shm_name: str, st: os.stat_result) -> None:
 
 
 
+def reserve_and_map(fd: int, nbytes: int, where: str) -> mmap.mmap:
+    """Reserve `nbytes` of the file's pages now (posix_fallocate: a full /dev/shm or memory fails here with
+    an error, not with SIGBUS at first touch) and map them shared and prefaulted."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        raise TransferError(f"cannot allocate {nbytes} bytes {where}: {e}; free space there or use a smaller "
+                            "region") from e
+    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
 def create_file(shm_name: str, nbytes: int) -> mmap.mmap:
     """Create a new file of ours of `nbytes` (mode SEGMENT_MODE, never over an existing name), its pages
     reserved now (posix_fallocate: a full /dev/shm fails here, not with SIGBUS at first touch), mapped
@@ -48,12 +59,7 @@ def create_file(shm_name: str, nbytes: int) -> mmap.mmap:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
     try:
         os.fchmod(fd, SEGMENT_MODE)  # exactly owner read/write, whatever the umask took away
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            raise TransferError(f"cannot allocate {nbytes} bytes in {SHM_DIR}: {e}; "
-                                "free space there or use a smaller region") from e
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        return reserve_and_map(fd, nbytes, f"in {SHM_DIR}")
     except BaseException:
         os.unlink(path)
         raise
