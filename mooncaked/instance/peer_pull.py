@@ -4,7 +4,9 @@ P1 lends the blocks of a hash chain (``lending.py``); we read every layer's K an
 straight from P1's KV region into fresh blocks of ours over the transfer engine (runs of
 consecutive block ids on both sides go as one op), then release the loan. Every step has a
 deadline; a lender that cannot be asked, holds fewer blocks, or whose read fails leaves the
-rest to be computed, with the reason. The read's deadline is well inside the lease, and a
+rest to be computed, with the reason: a stalled lender costs STALL_GRACE_S to ask, and a read a
+grace plus its bytes at a floor rate (transfer/deadlines.py), not a bulk transfer's timeout. The
+read's deadline is well inside the lease, and a
 failed read leaves nothing in flight (``TransferEngine.submit``), so no byte lands in a block
 after we have given it back.
 """
@@ -18,10 +20,11 @@ from mooncaked.engine.kv_cache import KVLayout
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.tasks import spawn
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
+from mooncaked.transfer.deadlines import STALL_GRACE_S, read_deadline
 
 log = logging.getLogger(__name__)
 
-LEND_TIMEOUT_S = 5.0
+LEND_TIMEOUT_S = STALL_GRACE_S  # a small call: a lender this slow to answer is cheaper to compute around
 LOAN_LEASE_S = 20.0
 READ_TIMEOUT_S = 10.0  # at most half the lease
 RELEASE_TIMEOUT_S = 2.0
@@ -67,7 +70,8 @@ async def pull_from_peer(transfer: TransferEngine, layout: KVLayout, lender: Eng
             return 0, "peer_layout"
         ops = read_ops(layout, loan.layout, loan.endpoint.address, loan.block_ids[:n], blocks[:n])
         try:
-            await transfer.submit(ops, timeout_s=min(READ_TIMEOUT_S, loan.lease_s / 2))
+            nbytes = sum(op.length for op in ops)
+            await transfer.submit(ops, timeout_s=read_deadline(nbytes, min(READ_TIMEOUT_S, loan.lease_s / 2)))
         except TransferError as e:
             log.warning("reading %d lent blocks from %s failed (%s); computing them", n, loan.endpoint.address, e)
             return 0, "peer_read_failed"

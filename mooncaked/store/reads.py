@@ -15,6 +15,11 @@ Three things keep the master's path short over TCP as well as over shared memory
   (the transfer engine drops a connection whose answer would land in memory given up on).
 - Pipelined reads. A batch's objects move in groups of PIPELINE_GROUP, all in flight at once;
   each group is checked and handed over as soon as it lands, while later groups still move.
+- Short deadlines (transfer/deadlines.py). A read from one copy is given up after a grace plus its
+  bytes at a floor rate (never more than the client's transfer timeout): a stalled owner (paused,
+  swapping, its host gone) costs its readers a miss, which an engine computes, not a wait as long
+  as the transfer timeout. An owner whose read timed out is not read from for STALLED_FOR_S (its
+  other copies are read, or it is a miss); the master drops a dead one's copies meanwhile.
 - Zero copy into the caller's tensor. get_into of a contiguous CPU tensor registers that
   tensor with the transfer engine for the read, so the socket (or the shared-memory copy)
   writes straight into it; other tensors, and `bytes` results, land in the staging area.
@@ -42,12 +47,15 @@ from mooncaked.store.owner_link import REWRITTEN, OwnerLinks, OwnerRead
 from mooncaked.store.owner_wire import NOT_HELD, SERVED
 from mooncaked.store.records import checksum
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
+from mooncaked.transfer.api import TransferTimeoutError
+from mooncaked.transfer.deadlines import read_deadline
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_GROUP = 4  # objects per group of a pipelined read: small enough to overlap, big enough to stripe
 REGISTER_PER_READ = ("tcp", "shm", "auto")  # registering is a table entry there; rdma pins memory (too dear per read)
 EARLY_GRACE_S = 0.05  # how long an early read toward an owner the lookup does not name may still land
+STALLED_FOR_S = 3.0  # an owner whose read timed out is not read from this long
 _into_names = itertools.count()
 
 
@@ -82,6 +90,40 @@ class Reader:
         self.staging = staging
         self.timeout_s = timeout_s
         self._remove = remove
+        self._stalled: dict[str, float] = {}  # owner's transfer address -> loop time until which it is skipped
+
+    # -- deadlines ----------------------------------------------------------------------------------
+    def deadline(self, nbytes: int) -> float:
+        """How long a read of `nbytes` from one copy may take before it is given up."""
+        return read_deadline(nbytes, self.timeout_s)
+
+    def live(self, address: str) -> bool:
+        """Whether an owner is read from (not skipped after a read from it timed out)."""
+        until = self._stalled.get(address)
+        if until is None:
+            return True
+        if asyncio.get_running_loop().time() < until:
+            return False
+        del self._stalled[address]
+        return True
+
+    def _failed(self, peer: str, e: TransferError) -> None:
+        """After a read from `peer` failed: one that timed out is skipped for STALLED_FOR_S."""
+        if isinstance(e, TransferTimeoutError):
+            if peer not in self._stalled:
+                logger.warning("store reads from %s timed out; reading other copies (or computing) for %gs",
+                               peer, STALLED_FOR_S)
+            self._stalled[peer] = asyncio.get_running_loop().time() + STALLED_FOR_S
+
+    async def _submit_to(self, peer: str, ops: list[TransferOp]) -> bool:
+        """Read from one peer within the deadline its bytes allow; False (noted) when that failed."""
+        try:
+            await self.transfer.submit(ops, timeout_s=self.deadline(sum(op.length for op in ops)))
+            return True
+        except TransferError as e:
+            logger.warning("store get of %d objects from %s failed on the data plane (%s)", len(ops), peer, e)
+            self._failed(peer, e)
+            return False
 
     # -- early copies -------------------------------------------------------------------------------
     async def start_early(self, call: GetCall, hinted: list[tuple[str, Hint]],
@@ -92,8 +134,10 @@ class Reader:
         for key, h in hinted:
             data = None
             if call.out is not None:  # bytes wanted: a copy shared memory reaches comes back as bytes
+                if not self.live(h.address):
+                    continue
                 try:
-                    data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size, self.timeout_s)
+                    data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size, self.deadline(h.size))
                 except TransferError as e:  # the holder is gone, or its region changed: the lookup decides
                     logger.debug("store get of %s: no early copy from its last place (%s)", key, e)
                     continue
@@ -101,6 +145,7 @@ class Reader:
                 early.copies[key] = (h, Landing("", 0, data))
             else:
                 rest.append((key, h))
+        rest = [(k, h) for k, h in rest if self.live(h.address)]
         if not rest:
             return early
         staged = [j for j, (k, h) in enumerate(rest) if self._in_place(call, k, h.size) is None]
@@ -120,11 +165,13 @@ class Reader:
         return early
 
     async def _submit(self, ops: list[TransferOp]) -> bool:
+        """An early copy's reads (all from one owner)."""
         try:
-            await self.transfer.submit(ops, timeout_s=self.timeout_s)
+            await self.transfer.submit(ops, timeout_s=self.deadline(sum(op.length for op in ops)))
             return True
         except TransferError as e:
             logger.debug("store get: early copy of %d objects failed (%s)", len(ops), e)
+            self._failed(ops[0].peer, e)
             return False
 
     async def keep_early(self, call: GetCall, objs: list, early: Early) -> list:
@@ -262,7 +309,7 @@ class Reader:
             rep = o.replicas[0]
             try:
                 data = await self.transfer.read_bytes(rep.endpoint.address, rep.endpoint.region, rep.offset, o.size,
-                                                      self.timeout_s)
+                                                      self.deadline(o.size))
             except TransferError as e:
                 logger.info("store get of %s: shared-memory read failed (%s); reading through staging", o.key, e)
                 data = None
@@ -303,24 +350,41 @@ class Reader:
                 await self._remove(corrupt)
 
     async def _read_group(self, objs: list, landings: list[Landing], group: list[int]) -> list[int]:
-        """Read a group; a failed read is retried once on each object's next copy. Returns those read."""
-        todo = group
-        for attempt in range(2):
-            ops = []
+        """Read a group from each object's first live copy, each owner's part on its own (one stalled
+        owner fails only its objects); a failed read is retried once on the object's next live copy.
+        Returns the objects read (one with no live copy left is a miss)."""
+        todo, read = group, []
+        last: dict[int, int] = {}  # object -> the index of the copy read last
+        for _ in range(2):
+            by_peer: dict[str, list[int]] = {}
+            ops: dict[int, TransferOp] = {}
             for j in todo:
                 reps = objs[j].replicas
-                rep = reps[attempt % len(reps)]
-                ops.append(TransferOp("read", landings[j].region, landings[j].offset, rep.endpoint.address,
-                                      rep.endpoint.region, rep.offset, objs[j].size))
-            try:
-                await self.transfer.submit(ops, timeout_s=self.timeout_s)
-                return todo
-            except TransferError as e:
-                logger.warning("store get of %d objects failed on the data plane (%s)", len(todo), e)
-                todo = [j for j in todo if len(objs[j].replicas) > 1]
-                if attempt or not todo:
-                    return []
-        return []
+                k = next((i for i in range(last.get(j, -1) + 1, len(reps)) if self.live(reps[i].endpoint.address)),
+                         None)
+                if k is not None:
+                    last[j], rep = k, reps[k]
+                    ops[j] = TransferOp("read", landings[j].region, landings[j].offset, rep.endpoint.address,
+                                        rep.endpoint.region, rep.offset, objs[j].size)
+                    by_peer.setdefault(rep.endpoint.address, []).append(j)
+            if not by_peer:
+                break
+            peers = list(by_peer)
+            parts = [self._submit_to(p, [ops[j] for j in by_peer[p]]) for p in peers]
+            if len(parts) == 1:  # the usual case: no task
+                oks = [await parts[0]]
+            else:
+                tasks = [asyncio.ensure_future(x) for x in parts]
+                try:
+                    oks = await asyncio.gather(*tasks)
+                finally:  # cancelled: nothing may land in a landing once it is given back
+                    await settle(tasks)
+            todo = []
+            for p, ok in zip(peers, oks):
+                (read if ok else todo).extend(by_peer[p])
+            if not todo:
+                break
+        return read
 
     def _check(self, call: GetCall, objs: list, landings: list[Landing], done: list[int], corrupt: list[str]) -> None:
         for j in done:
