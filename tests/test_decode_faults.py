@@ -290,7 +290,9 @@ async def test_kill_9_of_the_only_decode_under_load_loses_no_request_before_its_
         print(summary)
         # every request not yet past its first token completes (it waited for d1, or was prefilled again)
         lost = [r for r in records if not r["ok"] and (r["first"] is None)]
-        assert not lost, f"{len(lost)} requests failed before their first token: {[r['error'] for r in lost][:5]}"
+        assert not lost, (f"{len(lost)} requests failed before their first token: {[r['error'] for r in lost][:5]}; "
+                          f"d1 restarted {timeline['restart'] - kill:.1f} s and registered again {back - kill:.1f} s "
+                          f"after the kill; the lost were sent at {[round(r['start'] - kill, 1) for r in lost]} s")
         assert before_first and all(r["ok"] for r in before_first), summary
         # broken streams end with an error event naming the decode; nothing timed out (hung)
         for r in broken:
