@@ -3,12 +3,17 @@
 p2 prefills a prompt, so its blocks sit in p2's DRAM; p2 is then paused (SIGSTOP: a GC pause, swap,
 a hung host). A prefill of the same prefix on p1 reads them from p2: the read is given up after
 transfer/deadlines.py's STALL_GRACE_S (plus the bytes at the floor rate), p1 computes the prompt, and the request
-completes while p2 is still stopped; before, it waited out the whole transfer timeout (10 s)."""
+completes while p2 is still stopped; before, it waited out the whole transfer timeout (10 s). An
+operator's `mooncakectl drain p2` meanwhile is answered (before, the conductor waited 10 s on p2,
+as long as mooncakectl's own deadline)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -22,6 +27,10 @@ from tiny_models import random_prompts
 pytestmark = pytest.mark.timeout(300)
 
 PREFIX = 200  # 50 blocks of 4 tokens
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
 
 
 async def test_a_paused_owner_costs_a_prefix_read_a_miss_not_the_transfer_timeout(tiny_model_factory, tmp_path):
@@ -48,11 +57,15 @@ async def test_a_paused_owner_costs_a_prefix_read_a_miss_not_the_transfer_timeou
             assert first[0].prefill_instance == "p2"
             blocks = (PREFIX + 2) // 4
             assert await _objects(store, blocks) == blocks  # in the pool: p2's DRAM (puts are placed locally)
-            for name in ("p1", "p2"):  # drained first: telling a stopped engine to drain waits for it
+            for name in ("p1", "p2"):
                 await stub.SetDrain(conductor_pb2.SetDrainRequest(name=name, drain=name != "p1"), timeout=15)
             c.kill("p2", signal.SIGSTOP)
             stopped = True
             second = [x async for x in stub.Generate(_request(base + [7, 8]), timeout=60)]
+            # an operator drains the stuck instance: answered (the conductor does not wait on it for long)
+            drain = subprocess.run([sys.executable, "-m", "mooncaked.ctl", "--conductor", c.conductor, "drain", "p2"],
+                                   capture_output=True, text=True, timeout=60, env=_env())
+            assert (drain.returncode, drain.stdout) == (0, "p2: draining\n"), drain.stderr
             assert c.procs["p2"].poll() is None  # still stopped: completed without it
             c.kill("p2", signal.SIGCONT)
             stopped = False
