@@ -490,6 +490,10 @@ class WorkerConfig(RoleConfig):
                                        "AVX-512 kernels: steps of up to 16 sequences and 64 tokens multiply in fp32, "
                                        "so one short request gets the exact path's greedy tokens; off: bf16, "
                                        "a shorter time-to-first-token for a short turn")
+    cuda_graphs: bool = _setting(True, _bool,
+                                 "on a GPU with the flash backend: decode steps replay CUDA graphs captured at "
+                                 "start-up (batch sizes 1, 2, 4, 8, every 16 to --max-num-seqs); off: every step "
+                                 "launches its kernels from Python")
     transfer_backend: str = _setting("auto", _choice(TRANSFER_BACKENDS),
                                      "data plane for KV transfers: tcp, shm (same host), rdma, or auto (tcp)",
                                      "NAME")
@@ -550,6 +554,7 @@ class WorkerConfig(RoleConfig):
             attention_backend=self.attention_backend,
             enable_prefix_caching=self.enable_prefix_caching,
             exact_small_steps=self.exact_small_steps,
+            cuda_graphs=self.cuda_graphs,
             hash_seed=self.hash_seed,
             record_kv_events=True,
             quantize=self.quantize,

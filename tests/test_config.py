@@ -146,6 +146,8 @@ def test_unset_with_none_and_bool_flags():
     assert _load(["--role", "decode"]).engine_config().exact_small_steps is True
     off = _load(["--role", "decode", "--no-exact-small-steps"])
     assert off.exact_small_steps is False and off.engine_config().exact_small_steps is False
+    assert _load(["--role", "decode"]).engine_config().cuda_graphs is True
+    assert _load(["--role", "decode", "--no-cuda-graphs"]).engine_config().cuda_graphs is False
 
 
 def test_name_and_advertise_address(monkeypatch):

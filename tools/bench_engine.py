@@ -173,6 +173,7 @@ def main() -> int:
     ap.add_argument("--peak-gbps", type=float, default=None,
                     help="cuda: the GPU's peak memory bandwidth in GB/s (default: from its name, if known)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 16 (cuda: 1 16 64)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="cuda: every decode step eager (to compare)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="also run the largest batch with prompts sharing this many leading tokens, already "
                          "cached by earlier traffic (our target workload; generate recomputes them per prompt)")

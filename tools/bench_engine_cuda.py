@@ -4,8 +4,9 @@ Why a roofline: a decode step reads every weight once plus each sequence's KV ca
 is bound by memory bandwidth, and tokens/s alone does not say how far from the hardware we are.
 bytes read per step / step time / peak bandwidth does. Step times are the engine's own decode-only
 steps (``Engine.drain_step_log``), so prefill and Python between requests are not in them.
-Both run in bf16. Baseline in the same run: ``transformers.generate`` on the same GPU. No CUDA graphs yet:
-each decode step launches its kernels from Python, which the roofline fraction at batch 1 shows.
+Both run in bf16. Baseline in the same run: ``transformers.generate`` on the same GPU. Our decode steps
+replay CUDA graphs (engine/cuda_graphs.py) unless ``--no-cuda-graphs``: run both to see what they buy,
+which the roofline fraction at batch 1 shows.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def bench_cuda(args) -> int:
     block = 256 if flash_unavailable_reason(device, 256) is None else 16
     engine = Engine.from_pretrained(args.model, device=args.device, dtype="bfloat16", block_size=block,
                                     max_num_seqs=max(64, *batches),
-                                    max_num_batched_tokens=max(2048, args.prompt_len * max(batches)))
+                                    max_num_batched_tokens=max(2048, args.prompt_len * max(batches)),
+                                    cuda_graphs=not args.no_cuda_graphs)
     cfg = engine.model_config
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
     wbytes = weight_bytes(engine.runner.model)
@@ -69,7 +71,7 @@ def bench_cuda(args) -> int:
     results = {"model": engine.model_dir.name, "device": name, "dtype": str(engine.dtype).removeprefix("torch."),
                "attention": engine.runner.backend.name, "block_size": block, "weight_bytes": wbytes,
                "peak_gbps": peak, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-               "cuda_graphs": False, "runs": []}
+               "cuda_graphs": engine.runner.graphs is not None, "runs": []}
     for batch in batches:
         prompts = _prompts(batch, args.prompt_len, cfg.vocab_size, seed=batch)
         n = batch * args.new_tokens

@@ -220,6 +220,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU, bf16 weights on a 4-bit grid, native kernel: small steps multiply in fp32 (engine/bf16_weights.py)
     exact_small_steps: bool = True
+    # GPU, flash backend: decode steps replay CUDA graphs captured at start-up (engine/cuda_graphs.py)
+    cuda_graphs: bool = True
     hash_seed: int = 0
     record_kv_events: bool = False  # keep BlockStored/BlockRemoved events for the conductor's index
     quantize: str = "none"  # "none" | "bf16" | "int8" | "int4": the linear layers' weights (CPU; engine/quant.py)

@@ -16,6 +16,7 @@ import torch
 from mooncaked.engine.attention import AttentionMetadata, make_backend
 from mooncaked.engine.bf16_weights import EXACT_ROWS, fp32_step
 from mooncaked.engine.config import EngineConfig, ModelConfig
+from mooncaked.engine.cuda_graphs import DecodeGraphs
 from mooncaked.engine.four_bit import NATIVE_ROWS
 from mooncaked.engine.native import native_module
 from mooncaked.engine.kv_cache import KVCache
@@ -83,6 +84,12 @@ class ModelRunner:
         self.kv = KVCache.allocate(stage_config(model_cfg, self.stage), num_blocks, self.block_size, dtype,
                                    self.device, kv_pool)
         self.kv_layers = self.kv.layers()
+        self.graphs: DecodeGraphs | None = None
+        if (engine_cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "flash"
+                and self.stage.is_first and self.stage.is_last):
+            with torch.inference_mode():  # as run() replays them
+                self.graphs = DecodeGraphs(self.model, self.kv_layers, self.block_size,
+                                           -(-max_model_len // self.block_size), engine_cfg.max_num_seqs, self.device)
         log.info("model runner: %s on %s (%s, %s weights: %s), attention=%s", model_cfg.architecture, self.device,
                  dtype, precision.weights, precision.reason, self.backend.name)
 
@@ -108,8 +115,11 @@ class ModelRunner:
             x_in = torch.cat([rows[s.seq.request_id] for s in batch]).to(self.device, self.dtype)
         # a small step (a lone short prompt, a few decodes) multiplies in fp32 where the layers can (bf16_weights)
         small = self.exact_small_steps and len(batch) <= NATIVE_ROWS and input_ids.shape[0] <= EXACT_ROWS
-        with fp32_step(small):
-            hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
+        if self._graphed(batch, meta, layer_hook, layers):
+            hidden = self.graphs.run(input_ids, positions, meta)  # type: ignore[union-attr]
+        else:
+            with fp32_step(small):
+                hidden = self.model(input_ids, positions, self.kv_layers, meta, layer_hook, x_in, layers)
         if not self.samples(layers):
             bounds = meta.cu_seqlens_q.tolist()
             out = {s.seq.request_id: hidden[bounds[k]:bounds[k + 1]] for k, s in enumerate(batch)}
@@ -148,6 +158,13 @@ class ModelRunner:
             for k, s in enumerate(batch):
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
         return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors)
+
+    def _graphed(self, batch: list[ScheduledSeq], meta: AttentionMetadata, layer_hook: LayerHook | None,
+                 layers: tuple[int, int] | None) -> bool:
+        """Whether this step replays a CUDA graph: every sequence decodes, the whole model, no hook."""
+        return (self.graphs is not None and meta.num_decodes == len(batch) and layer_hook is None
+                and self.takes_tokens(layers) and self.samples(layers)
+                and self.graphs.fits(len(batch), meta.block_tables.shape[1]))
 
     def takes_tokens(self, layers: tuple[int, int] | None) -> bool:
         """Whether a step over ``layers`` starts from token ids (else from the previous stage's hidden states)."""
