@@ -32,7 +32,7 @@ from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
 from mooncaked.tasks import spawn
-from mooncaked.store import heap, metrics, owner_index
+from mooncaked.store import heap, metrics, owner_index, pinned
 from mooncaked.store.commits_behind import CommitsBehind
 from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DRAM_REGION, STAGING_REGION, DramSegment, Staging, nbytes_of
@@ -86,6 +86,7 @@ class StoreClientConfig:
     # put() returns once its bytes landed (`bytes`: once handed over) and its commit is sent (commits_behind.py)
     commit_behind: bool = False
     keep_freed_heap: bool = True  # glibc keeps freed get results' memory for reuse, not faulted in again (heap.py)
+    pin_staging: bool = False  # page-lock the staging area: a GPU engine's copies to and from it (pinned.py)
     ping_interval_s: float = 1.0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
@@ -105,7 +106,7 @@ class StoreClientConfig:
         assert cfg.store is not None, "no store master configured"
         values = dict(master=str(cfg.store), client_id=cfg.name, dram_bytes=cfg.store_dram_bytes,
                       lmdb_path=cfg.store_lmdb_path, lmdb_bytes=cfg.store_lmdb_bytes if cfg.store_lmdb_path else 0,
-                      ping_interval_s=cfg.heartbeat_interval_s)
+                      ping_interval_s=cfg.heartbeat_interval_s, pin_staging=str(cfg.device).startswith("cuda"))
         values.update(overrides)
         return cls(**values)
 
@@ -126,6 +127,7 @@ class StoreClient:
         self.stub: store_pb2_grpc.StoreMasterStub | None = None
         self.dram: DramSegment | None = None
         self.staging: Staging | None = None
+        self._unpin: Callable[[], None] | None = None  # unlocks the staging area (pin_staging)
         self.lmdb: LmdbTier | None = None
         self.mounts: Mounts | None = None
         self.worker: TierWorker | None = None
@@ -166,6 +168,8 @@ class StoreClient:
             raise StoreError("the TransferEngine handed to StoreClient must be started first")
         if self.staging is None:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
+            if cfg.pin_staging:
+                self._unpin = pinned.pin(self.staging.tensor)
             self._owner_links = OwnerLinks(self.security.token, cfg.transfer_timeout_s) if cfg.owner_reads else None
             self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove, self._owner_links)
             if self.transfer.backend in ("shm", "auto"):
@@ -253,6 +257,9 @@ class StoreClient:
         if self.lmdb is not None:  # after any LMDB work still running in its thread
             await asyncio.get_running_loop().run_in_executor(self._lmdb_thread, self.lmdb.close)
         self._lmdb_thread.shutdown(wait=False)
+        if self._unpin is not None:  # before the staging area's memory goes
+            self._unpin()
+            self._unpin = None
         if self._own_transfer:
             await self.transfer.close()
         else:
