@@ -175,7 +175,21 @@ async def test_restarting_the_master_loses_nothing_on_lmdb(tmp_path):
         assert master.stop(signal.SIGKILL) != 0
         master = Master(port)
         # the new master starts (a Python process) and the owner re-registers with back-off: slow on a loaded host
-        await wait_for(lambda: _lmdb_at_least(c, on_lmdb), timeout=60.0, what="the owner to remount its LMDB tier")
+        seen: list[int | str] = []  # what the master answered meanwhile (a failure's message says)
+
+        async def back() -> bool:
+            try:
+                seen.append(await lmdb_objects(c))
+                return seen[-1] >= on_lmdb  # type: ignore[operator]
+            except Exception as e:  # noqa: BLE001 - the new master may not be up yet
+                seen.append(repr(e)[:200])
+                return False
+
+        try:
+            await wait_for(back, timeout=60.0, what="the owner to remount its LMDB tier")
+        except AssertionError as e:
+            raise AssertionError(f"{e}: wanted {on_lmdb} objects on LMDB; the master's last answers {seen[-3:]}; "
+                                 f"the owner remounted {owner.ask('remounts')} times") from None
         # the objects show at the master as the owner's mount lands; its count of remounts moves just after
 
         async def remounted() -> bool:
