@@ -24,7 +24,7 @@ def test_bench_store_json_small() -> None:
     assert 0 <= ours["get_share_by_owner"] <= 1
     assert ours["get_share_by_index"] == 0  # over TCP no reader maps the owner's index
     assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]
-    assert "tcp_ceilings" not in out  # no baseline, no ceiling to show
+    assert "tcp_ceilings" not in out and "aims" not in out  # no baseline, no ceiling or aim to show
 
 
 def test_the_tcp_ceiling_is_the_baselines_p50_over_the_raw_floor() -> None:
@@ -33,3 +33,16 @@ def test_the_tcp_ceiling_is_the_baselines_p50_over_the_raw_floor() -> None:
 
     mooncake = {"put": {"p50_ms": 0.8}, "get": {"p50_ms": 0.33}}
     assert tcp_ceilings({"tcp_request_response_p50_ms": 0.25}, mooncake) == {"put": 3.2, "get": 1.32}
+
+
+def test_the_aims_name_the_row_they_compare_and_whether_it_clears() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    from bench_store import aims
+
+    ratios = {"ours": {"put": 2.2, "put_commit_behind": 3.4, "get": 1.97}, "ours_shm": {"put": 4.1, "get": 7.0}}
+    got = aims(ratios)
+    assert got["tcp_put"] == {"row": "ours.put_commit_behind", "ratio": 3.4, "aim": 3.0, "met": True,
+                              "note": "the plain put, which waits for the master's commit: 2.20x"}
+    assert got["tcp_get"] == {"row": "ours.get", "ratio": 1.97, "aim": 2.0, "met": False}
+    assert got["shm_put"]["met"] and got["shm_get"]["met"]
+    assert set(aims({"ours": {"get": 2.5}})) == {"tcp_get"}  # rows a run did not measure are not judged
