@@ -9,11 +9,8 @@ as long as mooncakectl's own deadline)."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 
 import grpc
 import pytest
@@ -21,16 +18,13 @@ import pytest
 from cluster import Cluster
 from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 from mooncaked.transfer.deadlines import STALL_GRACE_S
+from test_ctl import _ctl
 from test_store_tiers import _objects, _request
 from tiny_models import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
 PREFIX = 200  # 50 blocks of 4 tokens
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
 
 
 async def test_a_paused_owner_costs_a_prefix_read_a_miss_not_the_transfer_timeout(tiny_model_factory, tmp_path):
@@ -63,8 +57,7 @@ async def test_a_paused_owner_costs_a_prefix_read_a_miss_not_the_transfer_timeou
             stopped = True
             second = [x async for x in stub.Generate(_request(base + [7, 8]), timeout=60)]
             # an operator drains the stuck instance: answered (the conductor does not wait on it for long)
-            drain = subprocess.run([sys.executable, "-m", "mooncaked.ctl", "--conductor", c.conductor, "drain", "p2"],
-                                   capture_output=True, text=True, timeout=60, env=_env())
+            drain = _ctl("drain", "p2", conductor=c.conductor)
             assert (drain.returncode, drain.stdout) == (0, "p2: draining\n"), drain.stderr
             assert c.procs["p2"].poll() is None  # still stopped: completed without it
             c.kill("p2", signal.SIGCONT)

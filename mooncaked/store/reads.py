@@ -90,7 +90,7 @@ class Reader:
         self.staging = staging
         self.timeout_s = timeout_s
         self._remove = remove
-        self._stalled: dict[str, float] = {}  # owner's transfer address -> loop time until which it is skipped
+        self._stalled_until: dict[str, float] = {}  # owner's transfer address -> loop time it is skipped until
 
     # -- deadlines ----------------------------------------------------------------------------------
     def deadline(self, nbytes: int) -> float:
@@ -99,30 +99,21 @@ class Reader:
 
     def live(self, address: str) -> bool:
         """Whether an owner is read from (not skipped after a read from it timed out)."""
-        until = self._stalled.get(address)
-        if until is None:
-            return True
-        if asyncio.get_running_loop().time() < until:
-            return False
-        del self._stalled[address]
-        return True
+        return asyncio.get_running_loop().time() >= self._stalled_until.get(address, 0.0)
 
-    def _failed(self, peer: str, e: TransferError) -> None:
-        """After a read from `peer` failed: one that timed out is skipped for STALLED_FOR_S."""
-        if isinstance(e, TransferTimeoutError):
-            if peer not in self._stalled:
-                logger.warning("store reads from %s timed out; reading other copies (or computing) for %gs",
-                               peer, STALLED_FOR_S)
-            self._stalled[peer] = asyncio.get_running_loop().time() + STALLED_FOR_S
-
-    async def _submit_to(self, peer: str, ops: list[TransferOp]) -> bool:
-        """Read from one peer within the deadline its bytes allow; False (noted) when that failed."""
+    async def _read_from(self, peer: str, ops: list[TransferOp], what: str, level: int = logging.WARNING) -> bool:
+        """Read from one owner within the deadline its bytes allow; False when that failed (logged at
+        `level`), and an owner that timed out is skipped for STALLED_FOR_S."""
         try:
             await self.transfer.submit(ops, timeout_s=self.deadline(sum(op.length for op in ops)))
             return True
         except TransferError as e:
-            logger.warning("store get of %d objects from %s failed on the data plane (%s)", len(ops), peer, e)
-            self._failed(peer, e)
+            logger.log(level, "store get: %s of %d objects from %s failed (%s)", what, len(ops), peer, e)
+            if isinstance(e, TransferTimeoutError):
+                if self.live(peer):
+                    logger.warning("store reads from %s timed out; reading other copies (or computing) for %gs",
+                                   peer, STALLED_FOR_S)
+                self._stalled_until[peer] = asyncio.get_running_loop().time() + STALLED_FOR_S
             return False
 
     # -- early copies -------------------------------------------------------------------------------
@@ -132,10 +123,10 @@ class Reader:
         early = Early()
         rest: list[tuple[str, Hint]] = []
         for key, h in hinted:
+            if not self.live(h.address):  # its owner timed out lately: the lookup decides
+                continue
             data = None
             if call.out is not None:  # bytes wanted: a copy shared memory reaches comes back as bytes
-                if not self.live(h.address):
-                    continue
                 try:
                     data = await self.transfer.read_bytes(h.address, h.region, h.offset, h.size, self.deadline(h.size))
                 except TransferError as e:  # the holder is gone, or its region changed: the lookup decides
@@ -145,7 +136,6 @@ class Reader:
                 early.copies[key] = (h, Landing("", 0, data))
             else:
                 rest.append((key, h))
-        rest = [(k, h) for k, h in rest if self.live(h.address)]
         if not rest:
             return early
         staged = [j for j, (k, h) in enumerate(rest) if self._in_place(call, k, h.size) is None]
@@ -160,19 +150,11 @@ class Reader:
                 group = items[s:s + PIPELINE_GROUP]
                 ops = [TransferOp("read", ld.region, ld.offset, h.address, h.region, h.offset, h.size)
                        for _, h, ld in group]
-                early.reads.append((address, group, asyncio.ensure_future(self._submit(ops))))
+                # a stale hint fails as a matter of course: only logged for debugging
+                read = self._read_from(address, ops, "early copy", logging.DEBUG)
+                early.reads.append((address, group, asyncio.ensure_future(read)))
         stack.push_async_callback(early.settle)  # nothing lands in a landing after it is given back
         return early
-
-    async def _submit(self, ops: list[TransferOp]) -> bool:
-        """An early copy's reads (all from one owner)."""
-        try:
-            await self.transfer.submit(ops, timeout_s=self.deadline(sum(op.length for op in ops)))
-            return True
-        except TransferError as e:
-            logger.debug("store get: early copy of %d objects failed (%s)", len(ops), e)
-            self._failed(ops[0].peer, e)
-            return False
 
     async def keep_early(self, call: GetCall, objs: list, early: Early) -> list:
         """Serve the objects whose early copy hashes to the checksum the master just answered (those
@@ -370,7 +352,7 @@ class Reader:
             if not by_peer:
                 break
             peers = list(by_peer)
-            parts = [self._submit_to(p, [ops[j] for j in by_peer[p]]) for p in peers]
+            parts = [self._read_from(p, [ops[j] for j in by_peer[p]], "read") for p in peers]
             if len(parts) == 1:  # the usual case: no task
                 oks = [await parts[0]]
             else:
