@@ -25,6 +25,9 @@ def test_bench_store_json_small() -> None:
     assert ours["get_share_by_index"] == 0  # over TCP no reader maps the owner's index
     assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]
     assert "tcp_ceilings" not in out and "aims" not in out  # no baseline, no ceiling or aim to show
+    floors = out["floors"]
+    assert floors["round_trip_p50_ms"] > 0 and floors["tcp_request_response_p50_ms"] > 0
+    assert out["round_trips"]["mooncake"] == {"put": 3, "get": 2} and out["round_trips"]["ours"]["get"] == 1
 
 
 def test_the_tcp_ceiling_is_the_baselines_p50_over_the_raw_floor() -> None:

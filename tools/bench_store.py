@@ -12,7 +12,9 @@ key when the driver knows it from its puts (owner_server.py): the share it serve
 (backend auto, what two engines on one host use), and TCP with the metadata calls over gRPC
 instead of the master's fast path (what the fast path buys). Floors, measured in the same run: a raw
 TCP request/response of one object between two processes (blocking sockets, no framing) and one
-memcpy of it: what the transports alone cost.
+memcpy of it: what the transports alone cost; and a bare 64-byte round trip between the same two
+processes, against the round trips each system's single op waits for (ROUND_TRIPS): where a round
+trip costs as much as the bytes, a ratio tends to their count.
 
 The baseline is `mooncake-transfer-engine`'s `MooncakeDistributedStore` with its
 `mooncake_master` (`pip install mooncake-transfer-engine-non-cuda` on a host without CUDA:
@@ -372,26 +374,31 @@ def _listening(port: int) -> bool:
 
 # -- floors: what the transports alone cost per object, measured in the same run --------------------
 def _raw_server(pipe: Connection, size: int) -> None:
-    """Answers each 16-byte request with `size` bytes, with blocking sends (no event loop, no Python
-    framing): the floor for moving one object between processes over loopback TCP."""
+    """Answers each 16-byte request with `size` bytes (or 64 bytes, for a request of b"s"), with blocking
+    sends (no event loop, no Python framing): the floor for moving one object between processes over
+    loopback TCP, and for a bare round trip."""
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         pipe.send(srv.getsockname()[1])
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        body = os.urandom(size)
-        while conn.recv(16):
-            conn.sendall(body)
+        body, small = os.urandom(size), os.urandom(ROUND_TRIP_BYTES)
+        while True:
+            asked = conn.recv(16)
+            if not asked:
+                break
+            conn.sendall(small if asked[:1] == b"s" else body)
 
 
 def floors(n: int, size: int) -> dict[str, float]:
-    """p50 ms per object: a raw TCP request/response of `size` bytes between two processes, and one
-    memcpy of `size` bytes (the data part of a shared-memory put or get)."""
+    """p50 ms per object: a raw TCP request/response of `size` bytes between two processes, one memcpy of
+    `size` bytes (the data part of a shared-memory put or get); and a bare round trip of ROUND_TRIP_BYTES
+    between the same two processes (what each of an op's round trips costs at least)."""
     pipe, child = CTX.Pipe()
     server = CTX.Process(target=_raw_server, args=(child, size), daemon=True)
     server.start()
-    lat = []
+    lat, trips = [], []
     try:
         with socket.create_connection(("127.0.0.1", pipe.recv()), timeout=10) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -403,6 +410,13 @@ def floors(n: int, size: int) -> dict[str, float]:
                 while got < size:
                     got += c.recv_into(buf[got:])
                 lat.append(time.perf_counter() - t)
+            for _ in range(4 * n + 16):
+                t = time.perf_counter()
+                c.sendall(b"s" * 16)
+                got = 0
+                while got < ROUND_TRIP_BYTES:
+                    got += c.recv_into(buf[got:ROUND_TRIP_BYTES])
+                trips.append(time.perf_counter() - t)
     finally:
         server.join(5)
     src = payloads(n, size)
@@ -413,7 +427,18 @@ def floors(n: int, size: int) -> dict[str, float]:
         dst[:] = d
         copies.append(time.perf_counter() - t)
     return {"tcp_request_response_p50_ms": summarize(lat[16:], size)["p50_ms"],
-            "memcpy_p50_ms": summarize(copies, size)["p50_ms"]}
+            "memcpy_p50_ms": summarize(copies, size)["p50_ms"],
+            "round_trip_p50_ms": summarize(trips[16:], ROUND_TRIP_BYTES)["p50_ms"]}
+
+
+ROUND_TRIP_BYTES = 64
+# The round trips one single put or get waits for, one after the other. Mooncake Store: PutStart, the write,
+# PutEnd; GetReplicaList, the read (its design doc, doc/en/mooncake-store-preview.md). Ours: the write and the
+# commit (the place is reserved ahead), a read by key from the owner; over shared memory the write and the read
+# are copies (the get's from the owner's index), so only the put's commit is a round trip. Where a round trip
+# costs more than the bytes (a VM whose processes wake each other slowly: docs/performance.md), a ratio tends
+# to Mooncake's count over ours.
+ROUND_TRIPS = {"mooncake": {"put": 3, "get": 2}, "ours": {"put": 2, "get": 1}, "ours_shm": {"put": 1, "get": 0}}
 
 
 # -- main ---------------------------------------------------------------------------------------------
@@ -489,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "ours_io": "tcp loopback, the driver's transfer engine with its I/O process "
                                                     "(as an engine's client runs)",
                                          "mooncake": "tcp loopback"},
-                           "floors": floors(n, size), "cluster_secret": bool(token_file)}
+                           "floors": floors(n, size), "round_trips": ROUND_TRIPS,
+                           "cluster_secret": bool(token_file)}
     for name in systems:
         out[name] = best(runs[name])
     if runs["mooncake"] and why is None:
@@ -527,7 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gets copied from the owner's shared-memory index (no round trip): {shares}")
     f = out["floors"]
     print(f"floors, p50 per object: raw TCP request/response {f['tcp_request_response_p50_ms']:.3f} ms "
-          f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms")
+          f"(blocking sockets, no framing); memcpy {f['memcpy_p50_ms']:.3f} ms; a bare {ROUND_TRIP_BYTES}-byte "
+          f"round trip between two processes {f['round_trip_p50_ms']:.3f} ms")
+    trips = "; ".join(f"{name} put {t['put']}, get {t['get']}" for name, t in ROUND_TRIPS.items())
+    print(f"round trips a single op waits for: {trips}")
     if out.get("tcp_ceilings"):
         c = out["tcp_ceilings"]
         print(f"over TCP no single put or get can beat Mooncake's by more than put {c['put']:.2f}x, get {c['get']:.2f}x "
