@@ -114,6 +114,35 @@ async def test_bytes_that_fail_their_checksum_are_never_returned_by_key():
         assert not await writer.exist("x/a")  # the master's read failed its checksum too: dropped
 
 
+async def test_a_batch_get_of_bytes_is_read_into_the_bytes_returned_not_through_staging():
+    """Objects wanted as bytes land in the bytes the get returns, hashed as they land: a batch four times
+    the reader's staging area is still served whole by the owner, in one round trip."""
+    clients = ("owner", dict(dram_bytes=8 << 20)), ("writer", dict(staging_bytes=64 * KiB))
+    async with pool(*clients) as (_, (owner, writer)):
+        objs = {f"s/{i}": os.urandom(48 * KiB) for i in range(5)}
+        for k, v in objs.items():
+            assert await writer.put(k, v)
+            await held(owner, k)
+        hits, asked = owner_gets("hit"), lookups()
+        assert await writer.batch_get(list(objs)) == list(objs.values())
+        assert owner_gets("hit") == hits + len(objs) and lookups() == asked  # through staging: 1 of 5 fits
+
+
+async def test_in_a_batch_get_of_bytes_one_bad_object_fails_only_itself():
+    """One object's bytes no longer match its checksum: the batch's other objects are served by the owner;
+    that one is refused as it lands, and the master's path finds it corrupt too (a miss)."""
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("writer", {})
+    async with pool(*clients) as (_, (owner, writer)):
+        objs = {f"y/{i}": os.urandom(40 * KiB) for i in range(3)}
+        for k, v in objs.items():
+            assert await writer.put(k, v)
+            await held(owner, k)
+        owner.dram.view[owner.journal.find("y/1")[0] + 7] ^= 0xFF
+        fallbacks, hits = owner_gets("fallback"), owner_gets("hit")
+        assert await writer.batch_get(list(objs)) == [objs["y/0"], None, objs["y/2"]]
+        assert owner_gets("hit") == hits + 2 and owner_gets("fallback") == fallbacks + 1
+
+
 async def ask(proc: subprocess.Popen, key: str) -> str:
     proc.stdin.write(key + "\n")
     proc.stdin.flush()

@@ -166,9 +166,10 @@ class OwnerLinks:
     def reachable(self, address: str) -> bool:
         return asyncio.get_running_loop().time() >= self._down_until.get(address, 0.0)
 
-    async def read(self, address: str, reads: list[OwnerRead]) -> list[int]:
+    async def read(self, address: str, reads: list[OwnerRead]) -> list[int | bytes]:
         """Each read's status (owner_wire): SERVED means its `into` holds the bytes the owner sent (not
-        yet checked). Raises TransferError when the owner cannot be asked or does not answer in time."""
+        yet checked); a read with no `into` gives its bytes instead, checked as they landed (read_bytes),
+        or REWRITTEN. Raises TransferError when the owner cannot be asked or does not answer in time."""
         return await self._ask(address, reads)
 
     async def read_bytes(self, address: str, key: str, size: int, csum: int) -> bytes | int:

@@ -43,7 +43,7 @@ from mooncaked.store.dram_segment import STAGING_REGION, Staging, nbytes_of
 from mooncaked.store.errors import InvalidArgument
 from mooncaked.store.hints import Hint
 from mooncaked.store.owner_index import IndexView
-from mooncaked.store.owner_link import REWRITTEN, OwnerLinks, OwnerRead
+from mooncaked.store.owner_link import REWRITTEN, SCRATCH_MAX_BYTES, OwnerLinks, OwnerRead
 from mooncaked.store.owner_wire import NOT_HELD, SERVED
 from mooncaked.store.records import checksum
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp
@@ -215,26 +215,35 @@ class Reader:
     async def from_owners(self, call: GetCall, picked: list[tuple[str, Hint]]) -> tuple[set[str], set[str]]:
         """Ask each object's owner for it by key, with the size and checksum last seen (owner_server.py):
         one round trip, no master. Returns the keys served (their bytes checked) and the keys whose
-        owner no longer holds them as last seen (their hints are stale); the rest go to the master."""
+        owner no longer holds them as last seen (their hints are stale); the rest go to the master.
+
+        Where: an object wanted as bytes lands in the new bytes object returned, hashed as it lands
+        (as a single get's: no staging, no copy); one wanted in a contiguous CPU tensor, in the tensor;
+        any other in the staging area."""
         assert self.owners is not None
-        staged = [j for j, (k, h) in enumerate(picked) if self._in_place(call, k, h.size) is None]
+        as_bytes = {j for j, (_, h) in enumerate(picked) if call.out is not None and h.size <= SCRATCH_MAX_BYTES}
+        staged = [j for j, (k, h) in enumerate(picked)
+                  if j not in as_bytes and self._in_place(call, k, h.size) is None]
         fit = {staged[j] for j in self._fitting([picked[i][1].size for i in staged])}
-        picked = [p for j, p in enumerate(picked) if j in fit or j not in staged]
+        kept = [j for j in range(len(picked)) if j in fit or j not in staged]
+        as_bytes = {i for i, j in enumerate(kept) if j in as_bytes}
+        picked = [picked[j] for j in kept]
         served: set[str] = set()
         gone: set[str] = set()
         if not picked:
             return served, gone
         async with AsyncExitStack() as stack:
-            landings = await self.landings(call, [k for k, _ in picked], [h.size for _, h in picked], stack,
-                                           register=False)
+            landed = [j for j in range(len(picked)) if j not in as_bytes]
+            landings = dict(zip(landed, await self.landings(call, [picked[j][0] for j in landed],
+                                                            [picked[j][1].size for j in landed], stack, register=False)))
             by_owner: dict[str, list[int]] = {}
             for j, (_, h) in enumerate(picked):
                 by_owner.setdefault(h.key_server, []).append(j)
             addresses = list(by_owner)
             asks = [self.owners.read(a, [OwnerRead(picked[j][0], picked[j][1].size, picked[j][1].checksum,
-                                                   landings[j].view)  # type: ignore[arg-type]
+                                                   landings[j].view if j in landings else None)  # type: ignore[arg-type]
                                          for j in by_owner[a]]) for a in addresses]
-            results: list[list[int] | BaseException]
+            results: list[list[int | bytes] | BaseException]
             if len(asks) == 1:  # the usual case: no task (a task costs a turn of the loop to start and to end)
                 try:
                     results = [await asks[0]]
@@ -254,7 +263,10 @@ class Reader:
                     continue
                 for j, status in zip(by_owner[a], statuses):
                     key, h = picked[j]
-                    if status == NOT_HELD:
+                    if type(status) is bytes:  # landed in new bytes and matched the checksum as it landed
+                        if self.hand_over(call, h, Landing("", 0, status), key):
+                            served.add(key)
+                    elif status in (NOT_HELD, REWRITTEN):
                         gone.add(key)
                     elif status == SERVED:
                         if checksum(landings[j].view) == h.checksum:
