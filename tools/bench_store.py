@@ -254,8 +254,8 @@ def run_our_layout(driver_main: Any, args: tuple, backend: str, dram_bytes: int,
 WARM_BATCHES = 2
 """Batch gets made, untimed, before the timed pass, by both systems: the first batches' results (a batch of
 new bytes objects while the previous batch's are still held) grow the heap, and on a VM a page touched for
-the first time can cost ~25 us (measured: the first two of 32 batches took 74-84 ms, the others ~2 ms). That
-is the allocator meeting the machine, once per process, not the store."""
+the first time can cost ~35 us (measured: the first two of 32 batches took 74-84 ms for 2048 pages each, the others ~2 ms). That
+is the allocator meeting the machine, once per process, not the store (store/heap.py keeps those pages after)."""
 
 
 # -- Mooncake ---------------------------------------------------------------------------------------
