@@ -221,19 +221,16 @@ class Reader:
         (as a single get's: no staging, no copy); one wanted in a contiguous CPU tensor, in the tensor;
         any other in the staging area."""
         assert self.owners is not None
-        as_bytes = {j for j, (_, h) in enumerate(picked) if call.out is not None and h.size <= SCRATCH_MAX_BYTES}
         staged = [j for j, (k, h) in enumerate(picked)
-                  if j not in as_bytes and self._in_place(call, k, h.size) is None]
+                  if not _into_new_bytes(call, h.size) and self._in_place(call, k, h.size) is None]
         fit = {staged[j] for j in self._fitting([picked[i][1].size for i in staged])}
-        kept = [j for j in range(len(picked)) if j in fit or j not in staged]
-        as_bytes = {i for i, j in enumerate(kept) if j in as_bytes}
-        picked = [picked[j] for j in kept]
+        picked = [p for j, p in enumerate(picked) if j in fit or j not in staged]
         served: set[str] = set()
         gone: set[str] = set()
         if not picked:
             return served, gone
         async with AsyncExitStack() as stack:
-            landed = [j for j in range(len(picked)) if j not in as_bytes]
+            landed = [j for j, (_, h) in enumerate(picked) if not _into_new_bytes(call, h.size)]
             landings = dict(zip(landed, await self.landings(call, [picked[j][0] for j in landed],
                                                             [picked[j][1].size for j in landed], stack, register=False)))
             by_owner: dict[str, list[int]] = {}
@@ -463,6 +460,12 @@ class Reader:
         call.got[i] = True
         metrics.client_bytes("get").inc(o.size)
         return True
+
+
+def _into_new_bytes(call: GetCall, size: int) -> bool:
+    """Whether an owner's answer lands in the new bytes object the get returns (OwnerLinks.read with no
+    `into`): when the caller wants bytes, up to the size such a read takes."""
+    return call.out is not None and size <= SCRATCH_MAX_BYTES
 
 
 class Early:
