@@ -44,7 +44,7 @@ from collections import OrderedDict
 import xxhash
 
 from mooncaked.transfer.api import TransferError
-from mooncaked.transfer.shm_files import create_file, map_segment, segment_path
+from mooncaked.transfer.shm_files import create_file, map_segment, remove_file
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,6 @@ class OwnerIndex:
         assert slots >= WAYS and slots & (slots - 1) == 0, slots
         self.name = index_name(segment_shm_name)
         self.slots = slots
-        self._path = segment_path(self.name)
         self._mm = create_file(self.name, _file_bytes(slots))  # 0600, never over an existing name
         self._view = memoryview(self._mm)
         self._touched_at = HEADER_BYTES + slots * SLOT_BYTES
@@ -158,10 +157,7 @@ class OwnerIndex:
     def close(self) -> None:
         """Close the window and remove the file (readers that mapped it see it closed)."""
         self.set_window(0)
-        try:
-            os.unlink(self._path)
-        except FileNotFoundError:
-            pass
+        remove_file(self.name)
         self._view.release()
         self._mm.close()
 

@@ -42,6 +42,7 @@ from mooncaked.transfer.ratelimit import TokenBucket
 from mooncaked.transfer.regions import RegionTable
 from mooncaked.transfer.host import host_id
 from mooncaked.transfer.shm import create_segment, shm_available
+from mooncaked.transfer.shm_files import remove_orphans
 from mooncaked.transfer.tcp_server import TcpServer
 from mooncaked.transfer.tcp_transport import TcpTransport
 from mooncaked.transfer.transport import LEFT, Outcome, Transport
@@ -109,6 +110,8 @@ class TransferEngine:
             return self.address
         for transport in self._transports:
             await transport.start(self._regions)  # raises if a backend cannot work here
+        if self._shared_memory and shm_available():
+            remove_orphans()  # what a killed engine on this host left in /dev/shm (shm_files.py)
         host, port = await self._server.start(self._host, self._port)
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         logger.info("transfer engine (%s) serving on %s", self.backend, self.address)

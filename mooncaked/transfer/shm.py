@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
-from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX, check_private, create_file, segment_path as _path
+from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX, check_private, create_file, remove_file, segment_path as _path
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,7 @@ class ShmSegment:
         """Mark the region dropped for peers that mapped it, then remove the
         name; the pages go when the last mapping is dropped."""
         self.trailer[:] = _DEAD
-        try:
-            os.unlink(_path(self.shm_name))
-        except FileNotFoundError:
-            pass
+        remove_file(self.shm_name)
 
 
 def create_segment(nbytes: int) -> ShmSegment:

@@ -3,13 +3,23 @@
 shm.py (the engine's segments and peers' mappings) and the transfer I/O process (io_worker.py,
 which maps its own engine's segments to send from and receive into them) both open segments by
 name; the rules of what we map live here once.
+
+A file in /dev/shm is memory held until someone removes it. A process killed before it could
+remove its segments (kill -9, the OOM killer) would hold that memory until the host reboots, so
+each creator keeps a shared `flock` on each of its files for as long as it lives (the kernel drops
+it when the process dies, however it dies), and `remove_orphans` removes our files that nobody
+holds whose creator's pid (in the name) is not running here. Both tests are needed: the lock
+keeps a file of a creator in another pid namespace sharing this /dev/shm, the pid keeps a file
+of a creator from before the lock existed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import re
 import stat
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
@@ -51,20 +61,81 @@ def reserve_and_map(fd: int, nbytes: int, where: str) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
+_held: dict[str, int] = {}  # our files -> the descriptor that holds each one's lock (see the module docstring)
+_PID_IN_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}(\d+)-")
+
+
 def create_file(shm_name: str, nbytes: int) -> mmap.mmap:
     """Create a new file of ours of `nbytes` (mode SEGMENT_MODE, never over an existing name), its pages
     reserved now (posix_fallocate: a full /dev/shm fails here, not with SIGBUS at first touch), mapped
-    shared and prefaulted; on any failure the name is removed."""
+    shared and prefaulted, and held (a lock) until `remove_file`; on any failure the name is removed."""
     path = segment_path(shm_name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, SEGMENT_MODE)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # ours while we live: never an orphan
         os.fchmod(fd, SEGMENT_MODE)  # exactly owner read/write, whatever the umask took away
-        return reserve_and_map(fd, nbytes, f"in {SHM_DIR}")
+        mm = reserve_and_map(fd, nbytes, f"in {SHM_DIR}")
     except BaseException:
         os.unlink(path)
-        raise
-    finally:
         os.close(fd)
+        raise
+    _held[shm_name] = fd
+    return mm
+
+
+def remove_file(shm_name: str) -> None:
+    """Remove a file create_file made (gone already is fine) and let go of its lock."""
+    try:
+        os.unlink(segment_path(shm_name))
+    except FileNotFoundError:
+        pass
+    fd = _held.pop(shm_name, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_orphans() -> list[str]:
+    """Remove our files in /dev/shm whose creator is gone without removing them; their names.
+
+    An orphan: a regular file of ours (check_private) that no process holds (create_file's lock) and
+    whose creator's pid is not running here. A file that is not clearly an orphan is left alone."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _PID_IN_NAME.match(name)
+        if m is None or _running(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            check_private(name, os.fstat(fd))
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its creator (or a namesake) holds it
+            os.unlink(path)
+            removed.append(name)
+        except (TransferError, OSError):
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        logger.warning("removed %d shared-memory files left in %s by processes that exited without removing "
+                       "them: %s", len(removed), SHM_DIR, ", ".join(removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def map_segment(shm_name: str, nbytes: int | None = None) -> mmap.mmap:
