@@ -61,6 +61,21 @@ CTX = mp.get_context("spawn")
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 
+WARM_BATCHES = 2
+"""Batch gets made, untimed, before the timed pass, by both systems: the first batches' results (a batch of
+new bytes objects while the previous batch's are still held) grow the heap, and on a VM a page touched for
+the first time can cost ~35 us (measured: the first two of 32 batches took 74-84 ms for 2048 pages each, the others ~2 ms). That
+is the allocator meeting the machine, once per process, not the store (store/heap.py keeps those pages after)."""
+
+ROUND_TRIP_BYTES = 64
+# The round trips one single put or get waits for, one after the other. Mooncake Store: PutStart, the write,
+# PutEnd; GetReplicaList, the read (its design doc, doc/en/mooncake-store-preview.md). Ours: the write and the
+# commit (the place is reserved ahead), a read by key from the owner; over shared memory the write and the read
+# are copies (the get's from the owner's index), so only the put's commit is a round trip. Where a round trip
+# costs more than the bytes (a VM whose processes wake each other slowly: docs/performance.md), a ratio tends
+# to Mooncake's count over ours.
+ROUND_TRIPS = {"mooncake": {"put": 3, "get": 2}, "ours": {"put": 2, "get": 1}, "ours_shm": {"put": 1, "get": 0}}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -145,13 +160,13 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
 
     async def main() -> dict[str, Any]:
         client = await open_client(client_id="bench-driver", staging_bytes=max(64 * MiB, 2 * batch * size))
-        owner_hits = OWNER_GETS.labels("hit")._value.get()
-        index_hits = OWNER_GETS.labels("index")._value.get()
         data = payloads(n, size)
         keys = [f"bench/{i}" for i in range(n)]
         for i in range(4):  # warm up connections
             await client.put(f"warm/{i}", data[i])
             await client.get(f"warm/{i}")
+        owner_hits = OWNER_GETS.labels("hit")._value.get()  # after the warm-up: the shares are of the timed gets
+        index_hits = OWNER_GETS.labels("index")._value.get()
         put_lat, get_lat = [], []
         for k, d in zip(keys, data):
             t = time.perf_counter()
@@ -249,13 +264,6 @@ def run_our_layout(driver_main: Any, args: tuple, backend: str, dram_bytes: int,
     finally:
         master.terminate()
         master.wait(10)
-
-
-WARM_BATCHES = 2
-"""Batch gets made, untimed, before the timed pass, by both systems: the first batches' results (a batch of
-new bytes objects while the previous batch's are still held) grow the heap, and on a VM a page touched for
-the first time can cost ~35 us (measured: the first two of 32 batches took 74-84 ms for 2048 pages each, the others ~2 ms). That
-is the allocator meeting the machine, once per process, not the store (store/heap.py keeps those pages after)."""
 
 
 # -- Mooncake ---------------------------------------------------------------------------------------
@@ -402,6 +410,19 @@ def _raw_server(pipe: Connection, size: int) -> None:
             conn.sendall(small if asked[:1] == b"s" else body)
 
 
+def _timed_asks(c: socket.socket, request: bytes, answer: memoryview, count: int) -> list[float]:
+    """Seconds each of `count` requests took to be answered in full (the answer lands in `answer`)."""
+    out = []
+    for _ in range(count):
+        t = time.perf_counter()
+        c.sendall(request)
+        got = 0
+        while got < len(answer):
+            got += c.recv_into(answer[got:])
+        out.append(time.perf_counter() - t)
+    return out
+
+
 def floors(n: int, size: int) -> dict[str, float]:
     """p50 ms per object: a raw TCP request/response of `size` bytes between two processes, one memcpy of
     `size` bytes (the data part of a shared-memory put or get); and a bare round trip of ROUND_TRIP_BYTES
@@ -409,25 +430,12 @@ def floors(n: int, size: int) -> dict[str, float]:
     pipe, child = CTX.Pipe()
     server = CTX.Process(target=_raw_server, args=(child, size), daemon=True)
     server.start()
-    lat, trips = [], []
     try:
         with socket.create_connection(("127.0.0.1", pipe.recv()), timeout=10) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             buf = memoryview(bytearray(size))
-            for _ in range(n + 16):
-                t = time.perf_counter()
-                c.sendall(b"r" * 16)
-                got = 0
-                while got < size:
-                    got += c.recv_into(buf[got:])
-                lat.append(time.perf_counter() - t)
-            for _ in range(4 * n + 16):
-                t = time.perf_counter()
-                c.sendall(b"s" * 16)
-                got = 0
-                while got < ROUND_TRIP_BYTES:
-                    got += c.recv_into(buf[got:ROUND_TRIP_BYTES])
-                trips.append(time.perf_counter() - t)
+            lat = _timed_asks(c, b"r" * 16, buf[:size], n + 16)
+            trips = _timed_asks(c, b"s" * 16, buf[:ROUND_TRIP_BYTES], 4 * n + 16)
     finally:
         server.join(5)
     src = payloads(n, size)
@@ -440,16 +448,6 @@ def floors(n: int, size: int) -> dict[str, float]:
     return {"tcp_request_response_p50_ms": summarize(lat[16:], size)["p50_ms"],
             "memcpy_p50_ms": summarize(copies, size)["p50_ms"],
             "round_trip_p50_ms": summarize(trips[16:], ROUND_TRIP_BYTES)["p50_ms"]}
-
-
-ROUND_TRIP_BYTES = 64
-# The round trips one single put or get waits for, one after the other. Mooncake Store: PutStart, the write,
-# PutEnd; GetReplicaList, the read (its design doc, doc/en/mooncake-store-preview.md). Ours: the write and the
-# commit (the place is reserved ahead), a read by key from the owner; over shared memory the write and the read
-# are copies (the get's from the owner's index), so only the put's commit is a round trip. Where a round trip
-# costs more than the bytes (a VM whose processes wake each other slowly: docs/performance.md), a ratio tends
-# to Mooncake's count over ours.
-ROUND_TRIPS = {"mooncake": {"put": 3, "get": 2}, "ours": {"put": 2, "get": 1}, "ours_shm": {"put": 1, "get": 0}}
 
 
 # -- main ---------------------------------------------------------------------------------------------
