@@ -17,16 +17,13 @@ from mooncaked.transfer import TransferEngine
 from mooncaked.transfer.shm_files import SHM_DIR, remove_orphans
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason=f"no {SHM_DIR} on this host")
-
 # a child that makes one file and prints its name, then: 'kill' itself with SIGKILL, 'exit' without
 # removing it, or 'wait' for a line on stdin (alive, holding it); argv[2], when given, is the pid its
 # name carries (a creator in another pid namespace, as seen from here)
 _CHILD = """
 import os, signal, sys, uuid
-from mooncaked.transfer.shm_files import create_file
-pid = sys.argv[2] if len(sys.argv) > 2 else os.getpid()
-name = f"mooncaked-{pid}-{uuid.uuid4().hex[:12]}"
+from mooncaked.transfer.shm_files import SHM_PREFIX, create_file, new_name
+name = f"{SHM_PREFIX}{sys.argv[2]}-{uuid.uuid4().hex[:12]}" if len(sys.argv) > 2 else new_name()
 mm = create_file(name, 1 << 20)
 print(name, flush=True)
 if sys.argv[1] == "kill":

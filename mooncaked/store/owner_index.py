@@ -35,7 +35,6 @@ oldest entry of it, which is then read the other ways.
 from __future__ import annotations
 
 import logging
-import os
 import platform
 import struct
 import time

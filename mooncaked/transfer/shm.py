@@ -25,13 +25,12 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import uuid
 from dataclasses import dataclass
 
 import torch
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
-from mooncaked.transfer.shm_files import SHM_DIR, SHM_PREFIX, check_private, create_file, remove_file, segment_path as _path
+from mooncaked.transfer.shm_files import SHM_DIR, check_private, create_file, new_name, remove_file, segment_path as _path
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +82,7 @@ def create_segment(nbytes: int) -> ShmSegment:
     """
     if nbytes <= 0:
         raise TransferError(f"shm region size must be positive, got {nbytes}")
-    shm_name = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    shm_name = new_name()
     at = _trailer_at(nbytes)
     mm = create_file(shm_name, at + PAGE)
     tensor, view = torch.frombuffer(mm, dtype=torch.uint8), memoryview(mm)  # both keep mm alive

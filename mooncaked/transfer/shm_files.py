@@ -21,6 +21,7 @@ import mmap
 import os
 import re
 import stat
+import uuid
 
 from mooncaked.transfer.api import PeerUnavailableError, TransferError
 
@@ -29,6 +30,11 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "mooncaked-"
 SEGMENT_MODE = 0o600
+
+
+def new_name() -> str:
+    """A fresh name for a file this process creates: the prefix, our pid (remove_orphans reads it), a random part."""
+    return f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def segment_path(shm_name: str) -> str:
@@ -62,7 +68,7 @@ def reserve_and_map(fd: int, nbytes: int, where: str) -> mmap.mmap:
 
 
 _held: dict[str, int] = {}  # our files -> the descriptor that holds each one's lock (see the module docstring)
-_PID_IN_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}(\d+)-")
+_PID_IN_NAME = re.compile(rf"{re.escape(SHM_PREFIX)}(\d+)-")  # new_name's pid
 
 
 def create_file(shm_name: str, nbytes: int) -> mmap.mmap:
@@ -134,7 +140,7 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True
 
 
