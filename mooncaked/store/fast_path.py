@@ -11,7 +11,9 @@ With a cluster secret, a connection must first pass the handshake of
 mooncaked.transfer.handshake: until then no byte is taken as a greeting or a frame. Every
 connection is bounded as the transfer port's are (mooncaked.transfer.conn_guard): a cap, a
 handshake deadline, an idle timeout, and a half-received frame dropped when it is not complete
-within FAST_PATH_LIMITS.partial_timeout_s; a frame's size is checked from its header.
+within FAST_PATH_LIMITS.partial_timeout_s; a frame's size is checked from its header. A peer
+that does not read its answers stops being read; one connection gets MAX_PER_TURN answers a turn
+of the loop and MAX_RUNNING calls waiting at once (guarded_conn.py).
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from google.protobuf.message import Message
 
 from mooncaked.store.errors import StoreError
 from mooncaked.store.fencing import Gate
-from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, Frame, FrameError, pack_reply, read_frames
-from mooncaked.store.guarded_conn import GuardedConnection
+from mooncaked.store.fast_wire import HELLO, METHODS, REQUEST, FrameError, frame_bytes, pack_reply, read_frames
+from mooncaked.store.guarded_conn import MAX_PER_TURN, GuardedConnection
 from mooncaked.transfer.conn_guard import ConnLimits
 from mooncaked.transfer.handshake import ANSWER_BYTES, check_token
 
@@ -42,6 +44,7 @@ _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 FAST_PATH_LIMITS = ConnLimits(max_connections=256, max_unproven=64, idle_timeout_s=300.0, partial_timeout_s=10.0)
 """One connection per store client is the usual; a frame is at most ~1 MB (fast_wire), so ten
 seconds is plenty to finish one, and 256 half frames hold at most ~290 MB."""
+MAX_RUNNING = 256  # calls of one connection waiting on something (a promotion, owners' acks): more wait to be read
 
 
 class AbortError(Exception):
@@ -86,56 +89,66 @@ class _Connection(GuardedConnection):
         return self._frames
 
     def _partial(self) -> bool:
-        return bool(self._buf) or not self._greeted
+        # frames waiting behind calls still running are not the peer's dawdling (the idle timeout holds)
+        return (bool(self._buf) and "running" not in self._holds) or not self._greeted
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
-        try:
-            if self._greeted and not self._buf:  # the usual case: whole frames, nothing left over
-                frames, used = read_frames(data, REQUEST)
-                self._answer(frames)
-                if used < len(data):
-                    self._buf += data[used:]
+        if self._greeted:  # the usual case
+            self._take(data)
+            return
+        self._buf += data
+        if self._handshake is not None:
+            if len(self._buf) < ANSWER_BYTES or not self._prove():
                 return
-            self._buf += data
-            if self._handshake is not None:
-                if len(self._buf) < ANSWER_BYTES or not self._prove():
-                    return
-            if not self._greeted:
-                if len(self._buf) < len(HELLO):
-                    return
-                if bytes(self._buf[:len(HELLO)]) != HELLO:
-                    raise FrameError(f"bad greeting {bytes(self._buf[:len(HELLO)])!r}")
-                del self._buf[:len(HELLO)]
-                self._greeted = True
-            frames, used = read_frames(self._buf, REQUEST)
-            del self._buf[:used]
-            self._answer(frames)
-        except FrameError as e:
-            logger.warning("closing store fast-path connection from %s: %s", self._peer, e)
-            self.close()
+        if len(self._buf) < len(HELLO):
+            return
+        if bytes(self._buf[:len(HELLO)]) != HELLO:
+            self._broken(FrameError(f"bad greeting {bytes(self._buf[:len(HELLO)])!r}"))
+            return
+        del self._buf[:len(HELLO)]
+        self._greeted = True
+        self._take(b"")
 
-    def _answer(self, frames: list[Frame]) -> None:
-        self._frames += len(frames)
-        for f in frames:
+    bad_input = (FrameError,)
+
+    def _broken(self, e: Exception) -> None:
+        logger.warning("closing store fast-path connection from %s: %s", self._peer, e)
+        self.close()  # answers to the frames before the bad one still go out
+
+    def _serve(self, buf: bytes | bytearray) -> tuple[int, bool]:
+        frames, used = read_frames(buf, REQUEST, MAX_PER_TURN)
+        for i, f in enumerate(frames):
+            if self._holds:  # the peer is behind on its answers, or has too many running: the rest wait
+                return sum(frame_bytes(g) for g in frames[:i]), True
+            self._frames += 1
             answer = self._server.answer(f.body[:f.tag].decode("ascii", "replace"), f.body[f.tag:], f.timeout_ms)
             if isinstance(answer, tuple):
                 self._reply(f.call_id, answer)
             else:
                 self._start(f.call_id, answer)
+        return used, len(frames) == MAX_PER_TURN
 
     def _start(self, call_id: int, answer: Awaitable[tuple[int, bytes]]) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(call_id, answer))
+        task = asyncio.get_running_loop().create_task(self._serve_later(call_id, answer))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+        if len(self._tasks) >= MAX_RUNNING:
+            self._hold("running")
 
-    async def _serve(self, call_id: int, answer: Awaitable[tuple[int, bytes]]) -> None:
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if len(self._tasks) < MAX_RUNNING:
+            self._release("running")
+
+    async def _serve_later(self, call_id: int, answer: Awaitable[tuple[int, bytes]]) -> None:
         self._reply(call_id, await answer)
 
     def _reply(self, call_id: int, answer: tuple[int, bytes]) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(pack_reply(call_id, *answer))
+
 
 class FastPathServer:
     """Serves a StoreService's unary methods on a plain TCP port, and for clients on this host on a

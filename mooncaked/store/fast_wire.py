@@ -80,13 +80,19 @@ class Frame(NamedTuple):
     body: bytes
 
 
-def read_frames(buf: bytes | bytearray, expect: int) -> tuple[list[Frame], int]:
-    """The whole frames at the start of `buf` and how many bytes they took; FrameError on garbage
-    (a frame over its kind's limit is refused from its header, before its body arrives)."""
+def frame_bytes(f: Frame) -> int:
+    """How many bytes the frame took on the wire."""
+    return HEADER.size + len(f.body)
+
+
+def read_frames(buf: bytes | bytearray, expect: int, most: int = 1 << 62) -> tuple[list[Frame], int]:
+    """The whole frames at the start of `buf` (`most` at most) and how many bytes they took;
+    FrameError on garbage (a frame over its kind's limit is refused from its header, before its
+    body arrives)."""
     frames: list[Frame] = []
     at, end = 0, len(buf)
     limit = MAX_REQUEST_BYTES if expect == REQUEST else MAX_REPLY_BYTES
-    while end - at >= HEADER.size:
+    while end - at >= HEADER.size and len(frames) < most:
         body_len, kind, tag, _, call_id, timeout_ms = HEADER.unpack_from(buf, at)
         if kind != expect:
             raise FrameError(f"frame kind {kind}, expected {expect}")

@@ -33,8 +33,8 @@ from mooncaked.store.dram_journal import DramJournal
 from mooncaked.store.dram_segment import DramSegment
 from mooncaked.store.owner_index import OwnerIndex
 from mooncaked.store.owner_wire import (NOT_HELD, REPLY, SERVED, STATUS_NAMES, WINDOW_CLOSED, WireError,
-                                        read_requests)
-from mooncaked.store.guarded_conn import GuardedConnection
+                                        read_requests, request_bytes)
+from mooncaked.store.guarded_conn import MAX_PER_TURN, GuardedConnection
 from mooncaked.transfer.conn_guard import ConnLimits
 from mooncaked.transfer.handshake import ANSWER_BYTES
 
@@ -151,7 +151,7 @@ class OwnerServer:
 
 class _Conn(GuardedConnection):
     what = "store owner-read"
-
+    write_high = 4 << 20  # answers queued are views of the DRAM, not copies: room for a batch's worth
     def __init__(self, server: OwnerServer) -> None:
         super().__init__(server)
         self._served = 0
@@ -162,29 +162,40 @@ class _Conn(GuardedConnection):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
-        self._buf += data
-        if self._handshake is not None and (len(self._buf) < ANSWER_BYTES or not self._prove()):
-            return
-        try:
-            requests, used = read_requests(self._buf)
-        except WireError as e:
-            logger.warning("closing store owner-read connection from %s: %s", self._peer, e)
-            self.abort()
-            return
-        del self._buf[:used]
-        if len(self._buf) > MAX_BUFFERED:
+        if self._handshake is not None:
+            self._buf += data
+            if len(self._buf) < ANSWER_BYTES or not self._prove():
+                return
+            data = b""
+        self._take(data)
+        if len(self._buf) > MAX_BUFFERED and not self._holds:  # held: reading stops, the buffer cannot grow
             self._drop(f"{len(self._buf)} bytes of an unfinished request")
-            return
+
+    bad_input = (WireError,)
+
+    def _serve(self, buf: bytes | bytearray) -> tuple[int, bool]:
+        requests, used = read_requests(buf, MAX_PER_TURN)
         transport, server = self._transport, self._server
         assert transport is not None and isinstance(server, OwnerServer)
-        for r in requests:
+        unserved = bytearray()  # answers with no bytes, written together (one object queued, not one each)
+        for i, r in enumerate(requests):
+            if self._holds:  # the peer is behind on its answers: the rest wait (guarded_conn.py)
+                used = sum(request_bytes(q) for q in requests[:i])
+                break
             status, view = server.answer(r.key, r.size, r.checksum)
             self._served += 1
             metrics.owner_read(STATUS_NAMES[status]).inc()
             if view is None:
-                transport.write(REPLY.pack(r.req_id, status, 0))
-            else:  # bytes still queued when their place is rewritten fail the reader's checksum: a fallback
-                transport.writelines((REPLY.pack(r.req_id, SERVED, r.size), view))
+                unserved += REPLY.pack(r.req_id, status, 0)
+                continue
+            if unserved:
+                transport.write(bytes(unserved))
+                unserved.clear()
+            # bytes still queued when their place is rewritten fail the reader's checksum: a fallback
+            transport.writelines((REPLY.pack(r.req_id, SERVED, r.size), view))
+        if unserved:
+            transport.write(bytes(unserved))
+        return used, len(requests) == MAX_PER_TURN or bool(self._holds)
 
 
 __all__ = ["NOT_HELD", "SERVED", "WINDOW_CLOSED", "OwnerServer", "ServeWindow"]

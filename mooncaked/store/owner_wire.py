@@ -40,10 +40,16 @@ def pack_request(r: KeyRequest) -> bytes:
     return REQUEST.pack(len(key), r.req_id, r.size, r.checksum) + key
 
 
-def read_requests(buf: bytes | bytearray | memoryview) -> tuple[list[KeyRequest], int]:
-    """The whole requests at the start of `buf`, and how many bytes they took."""
-    out, pos, n = [], 0, len(buf)
-    while n - pos >= REQUEST.size:
+def request_bytes(r: KeyRequest) -> int:
+    """How many bytes the request took on the wire."""
+    return REQUEST.size + len(r.key.encode())
+
+
+def read_requests(buf: bytes | bytearray | memoryview, limit: int = 1 << 62) -> tuple[list[KeyRequest], int]:
+    """The whole requests at the start of `buf` (`limit` at most), and how many bytes they took."""
+    out: list[KeyRequest] = []
+    pos, n = 0, len(buf)
+    while n - pos >= REQUEST.size and len(out) < limit:
         klen, req_id, size, csum = REQUEST.unpack_from(buf, pos)
         if klen == 0 or klen > MAX_KEY_BYTES or size == 0 or size > MAX_OBJECT_BYTES:
             raise WireError(f"bad request header (key {klen} bytes, size {size})")

@@ -1,0 +1,166 @@
+"""One peer cannot take a store server over by the requests it sends (guarded_conn.py): the master's
+fast path and an owner's reads by key stop reading a peer whose answers pile up unread, and answer
+at most a turn's worth of one connection's requests before the event loop serves the others.
+
+Real master, real clients, real sockets on loopback; the flooding peer is a raw socket in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import pytest
+from store_helpers import client, held, pool, start
+
+from mooncaked.proto.mooncake.v1 import store_pb2
+from mooncaked.store.fast_wire import HEADER, HELLO, REPLY, pack_request
+from mooncaked.store.guarded_conn import MAX_PER_TURN, WRITE_HIGH
+from mooncaked.store.owner_wire import KeyRequest
+from mooncaked.store.owner_wire import pack_request as owner_request
+
+pytestmark = pytest.mark.timeout(90)
+KiB = 1024
+STALL_S = 0.5  # the flooder stops once the server took nothing of it for this long
+GIVE_UP_S = 20.0  # a server that never stops taking requests: the flood ends here (and the test fails)
+
+
+class Flood(threading.Thread):
+    """Sends `frame` over and over on a connection and never reads, until the server stops taking it."""
+
+    def __init__(self, port: int, greeting: bytes, frame: bytes) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.sendall(greeting)
+        self.data = memoryview(frame * 512)
+        self.sent = 0
+        self.stalled = False
+
+    def run(self) -> None:
+        self.sock.setblocking(False)
+        t0 = last = time.monotonic()
+        while time.monotonic() - t0 < GIVE_UP_S:
+            try:
+                n = self.sock.send(self.data[self.sent % len(self.data):])
+            except BlockingIOError:
+                if time.monotonic() - last > STALL_S:
+                    self.stalled = True
+                    return
+                time.sleep(0.001)
+                continue
+            except OSError:
+                return
+            self.sent += n
+            last = time.monotonic()
+
+    def local_port(self) -> int:
+        return self.sock.getsockname()[1]
+
+
+async def conn_of(connections: set, port: int):  # noqa: ANN201 - the server's protocol object for our socket
+    """The server side of the connection from our local `port`, once the server has accepted it."""
+    for _ in range(500):
+        found = [c for c in connections if c._peer.endswith(f":{port}")]
+        if found:
+            return found[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no connection from port {port} among {[c._peer for c in connections]}")
+
+
+async def test_a_peer_that_never_reads_its_answers_stalls_only_itself_on_the_masters_fast_path():
+    runner, addr = await start()
+    other = await client(addr, "other", dram_bytes=256 * KiB)
+    try:
+        flood = Flood(runner.fast_path.port, HELLO,
+                      pack_request(1, "PoolStats", 5000, store_pb2.PoolStatsRequest().SerializeToString()))
+        conn = await conn_of(runner.fast_path.connections, flood.local_port())
+        flood.start()
+        worst = 0
+        while flood.is_alive():  # meanwhile the others are served
+            assert await other.put(f"k{worst % 7}", os.urandom(4 * KiB))
+            assert await other.get(f"k{worst % 7}") is not None
+            worst = max(worst, conn._transport.get_write_buffer_size())
+            await asyncio.sleep(0.01)
+        assert flood.stalled, f"the master kept taking requests: {flood.sent} bytes in {GIVE_UP_S}s"
+        # what it holds for the flooder: one write buffer, plus the turn in progress when it filled
+        assert worst <= WRITE_HIGH + MAX_PER_TURN * 256, worst
+        assert "answers" in conn._holds and not conn._transport.is_reading()
+        assert await other.get("k0") is not None
+        flood.sock.close()
+    finally:
+        await other.close()
+        await runner.stop()
+
+
+async def test_a_peer_that_never_reads_its_answers_stalls_only_itself_on_an_owners_reads_by_key():
+    clients = ("owner", dict(dram_bytes=1 << 20)), ("reader", {})
+    async with pool(*clients) as (_, (owner, reader)):
+        data = os.urandom(16 * KiB)
+        assert await reader.put("b/a", data)
+        await held(owner, "b/a")
+        port = int(owner.owner_server.address.rsplit(":", 1)[1])
+        flood = Flood(port, b"", owner_request(KeyRequest(1, "absent", 4096, 1)))
+        conn = await conn_of(owner.owner_server.connections, flood.local_port())
+        flood.start()
+        worst = 0
+        while flood.is_alive():
+            assert await reader.get("b/a") == data
+            worst = max(worst, conn._transport.get_write_buffer_size())
+            await asyncio.sleep(0.01)
+        assert flood.stalled, f"the owner kept taking requests: {flood.sent} bytes in {GIVE_UP_S}s"
+        assert worst <= conn.write_high + MAX_PER_TURN * 64, worst
+        assert "answers" in conn._holds and not conn._transport.is_reading()
+        flood.sock.close()
+
+
+async def test_one_connection_gets_a_turns_worth_of_answers_then_waits_for_the_others():
+    runner, _ = await start()
+    try:
+        sock = socket.create_connection(("127.0.0.1", runner.fast_path.port))
+        sock.sendall(HELLO)
+        conn = await conn_of(runner.fast_path.connections, sock.getsockname()[1])
+        for _ in range(200):
+            if conn._greeted:
+                break
+            await asyncio.sleep(0.01)
+        answered = []
+        reply = conn._reply
+
+        def counting(call_id: int, answer: tuple[int, bytes]) -> None:
+            answered.append(call_id)
+            reply(call_id, answer)
+
+        conn._reply = counting
+        n = 10 * MAX_PER_TURN + 5
+        body = store_pb2.PoolStatsRequest().SerializeToString()
+        conn.data_received(b"".join(pack_request(i, "PoolStats", 5000, body) for i in range(1, n + 1)))
+        assert len(answered) == MAX_PER_TURN  # this turn's share; the rest wait, reading paused
+        assert not conn._transport.is_reading()
+        turns = 0
+        while len(answered) < n and turns < 100:
+            before = len(answered)
+            await asyncio.sleep(0)
+            assert len(answered) - before <= MAX_PER_TURN
+            turns += 1
+        assert answered == list(range(1, n + 1))
+        assert conn._transport.is_reading()  # all answered: reading again
+        sock.settimeout(10)
+        got = bytearray()
+        ids = []
+        while len(ids) < n:  # the answers, in order, each a whole PoolStats reply
+            got += sock.recv(1 << 16)
+            while len(got) >= HEADER.size:
+                size, kind, status, _, call_id, _ = HEADER.unpack_from(got)
+                if len(got) < HEADER.size + size:
+                    break
+                assert kind == REPLY and status == 0
+                store_pb2.PoolStatsReply.FromString(bytes(got[HEADER.size:HEADER.size + size]))
+                ids.append(call_id)
+                del got[:HEADER.size + size]
+        assert ids == list(range(1, n + 1))
+        sock.close()
+    finally:
+        await runner.stop()
