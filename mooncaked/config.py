@@ -226,6 +226,13 @@ def _at_least(parse: Parser, low: float, *, strict: bool = False) -> Parser:
     return check
 
 
+def _port(value: Any) -> int:
+    out = _int(value)
+    if not 0 <= out <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {value!r}")
+    return out
+
+
 def _fraction(value: Any) -> float:
     out = _float(value)
     if not 0 < out <= 1:
@@ -512,6 +519,10 @@ class WorkerConfig(RoleConfig):
                             "MODE")
     store_dram_bytes: int = _setting(0, parse_size, "DRAM this engine lends to the KV pool, e.g. 8GiB (0: none; "
                                      "under --role all the prefill lends 256MiB when 0)", "SIZE")
+    store_reads_port: int = _setting(0, _port, "port, on --transfer-listen's host, where an engine that lends DRAM "
+                                     "(--store-dram-bytes) serves its pool objects by key: a peer's get in one round "
+                                     "trip, no master (0: any free port; a peer that cannot reach it reads through "
+                                     "the master)", "PORT")
     store_lmdb_path: str | None = _setting(None, _optional(_str), "folder of this engine's LMDB (disk) tier of "
                                            "the KV pool (default: none, no disk tier)", "DIR")
     store_lmdb_bytes: int = _setting(0, parse_size, "disk this engine lends to the KV pool's LMDB tier "

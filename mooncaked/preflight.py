@@ -29,6 +29,9 @@ def listen_addresses(cfg: RoleConfig) -> list[tuple[str, Any]]:
         out.append(("--metrics", cfg.metrics))
     if cfg.role in ("prefill", "decode") and getattr(cfg, "transfer_listen", None) is not None:
         out.append(("--transfer-listen", cfg.transfer_listen))
+    reads_port = getattr(cfg, "store_reads_port", 0)
+    if cfg.role in ("prefill", "decode") and reads_port > 0 and getattr(cfg, "store_dram_bytes", 0):
+        out.append(("--store-reads-port", HostPort(cfg.transfer_listen.host, reads_port)))  # type: ignore[attr-defined]
     fast_port = getattr(cfg, "store_fast_path_port", 0)
     if fast_port > 0 and (cfg.role == "store" or (cfg.role == "all" and cfg.store is None)):
         out.append(("--store-fast-path-port", HostPort(cfg.listen.host, fast_port)))

@@ -105,6 +105,7 @@ def test_unknown_toml_key_is_rejected_with_a_suggestion(tmp_path):
         ('transfer_backend = "udp"', r"key 'transfer_backend': expected one of tcp, shm, auto, rdma"),
         ('name = "my node"', r"key 'name': expected a name"),
         ("heartbeat_interval_s = -1", r"key 'heartbeat_interval_s': must be > 0"),
+        ("store_reads_port = 70000", r"key 'store_reads_port': port must be in 0..65535"),
         ("block_size = [", r"is not valid TOML"),
     ],
 )

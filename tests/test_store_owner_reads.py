@@ -270,3 +270,33 @@ async def test_bad_frames_close_the_connection_and_the_owner_serves_on():
         hits = owner_gets("hit")
         assert await writer.get("b/a") == a
         assert owner_gets("hit") == hits + 1
+
+
+async def test_an_owner_serves_reads_by_key_on_the_port_it_is_given_and_a_busy_one_is_one_clear_line():
+    from cluster import free_port
+
+    from mooncaked.startup import StartupError
+
+    port = free_port()
+    runner, addr = await start()
+    try:
+        owner = await client(addr, "owner", dram_bytes=1 << 20, owner_reads_port=port)
+        reader = await client(addr, "reader")
+        try:
+            assert owner.owner_server.address == f"127.0.0.1:{port}"
+            data = os.urandom(16 * KiB)
+            assert await reader.put("p/a", data)
+            await held(owner, "p/a")
+            hits = owner_gets("hit")
+            assert await reader.get("p/a") == data
+            assert owner_gets("hit") == hits + 1  # served by key, on that port
+            second = StoreClient(StoreClientConfig(master=addr, client_id="second", dram_bytes=1 << 20,
+                                                   owner_reads_port=port))
+            with pytest.raises(StartupError, match=f"--store-reads-port 127.0.0.1:{port} is already in use"):
+                await second.start()
+            await second.close()
+        finally:
+            await reader.close()
+            await owner.close()
+    finally:
+        await runner.stop()

@@ -4,8 +4,9 @@ a tiny model) and the model loaders; print what broke.
     python tools/fuzz.py [--inputs N] [--quick] [--json] [--surfaces http,grpc,...] [--seed S]
 
 Per surface: HTTP (every route: bodies, headers), gRPC (every method of Conductor, Engine on the
-prefill and the decode, StoreMaster: hostile messages and random bytes), the transfer port and the
-store master's fast path (random, truncated, oversized frames), loaders (hostile config.json,
+prefill and the decode, StoreMaster: hostile messages and random bytes), the transfer port, the
+store master's fast path and a DRAM owner's reads by key (random, truncated, oversized frames, long
+pipelines), loaders (hostile config.json,
 safetensors and GGUF files). The JSON:
 ``{"inputs", "crashes", "hangs", "server_errors", "fd_growth", "rss_growth_mb", "surfaces": {...}}``.
 The cluster runs without TLS or a cluster secret, so inputs reach the parsers behind them.
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import fuzz_surfaces as fz  # noqa: E402
 from cluster import Cluster  # noqa: E402  (the tests' real-process cluster)
 
-SURFACES = ("http", "grpc_conductor", "grpc_engine", "grpc_store", "transfer", "fast_path", "loaders")
+SURFACES = ("http", "grpc_conductor", "grpc_engine", "grpc_store", "transfer", "fast_path", "owner_reads", "loaders")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Targets:
     http_port: int
     transfer_port: int
     fast_path_port: int
+    owner_reads_port: int  # p1's reads by key of the pool objects its DRAM holds
     model_dir: Path
 
     def alive(self) -> str | None:
@@ -69,7 +71,8 @@ def start_cluster(model_dir: Path, log_dir: Path) -> Targets:
     c.wait_serving(["p1", "d1"])
     transfer = int(re.search(r"transfer on [^ ]*:(\d+)", c.log("p1")).group(1))
     fast = int(re.search(r"fast path on port (\d+)", c.log("store")).group(1))
-    targets = Targets(c, c.http_port("conductor"), transfer, fast, model_dir)
+    reads = int(re.search(r"pool reads by key on [^ ]*:(\d+)", c.log("p1")).group(1))
+    targets = Targets(c, c.http_port("conductor"), transfer, fast, reads, model_dir)
     _exercise(targets)
     return targets
 
@@ -89,20 +92,32 @@ def _exercise(targets: Targets) -> None:
     targets.cluster.status()
 
 
-def _transfer_probe(port: int):
-    from mooncaked.transfer.wire import REQ, RESP, Op, pack_request
+def _raw_probe(port: int, request: bytes, answer_bytes: int, what: str):
+    """A check that a raw port still speaks its protocol: `request` gets at least a byte of an answer."""
 
     def probe() -> str | None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=fz.RAW_TIMEOUT_S) as s:
-                s.sendall(pack_request(Op.INFO, 1, b"", 0, 0).ljust(REQ.size, b"\0"))
-                if len(s.recv(RESP.size)) == 0:
-                    return "INFO got no answer"
+                s.sendall(request)
+                if len(s.recv(answer_bytes)) == 0:
+                    return f"{what} got no answer"
         except OSError as e:
-            return f"INFO failed: {e}"
+            return f"{what} failed: {e}"
         return None
 
     return probe
+
+
+def _transfer_probe(port: int):
+    from mooncaked.transfer.wire import REQ, RESP, Op, pack_request
+
+    return _raw_probe(port, pack_request(Op.INFO, 1, b"", 0, 0).ljust(REQ.size, b"\0"), RESP.size, "INFO")
+
+
+def _owner_probe(port: int):
+    from mooncaked.store.owner_wire import REPLY, KeyRequest, pack_request
+
+    return _raw_probe(port, pack_request(KeyRequest(1, "fuzz-probe", 4096, 1)), REPLY.size, "a read by key")
 
 
 def _store_probe(targets: Targets):
@@ -144,6 +159,10 @@ def _run_surface(targets: Targets, surface: str, n: int, seed: int, t: fz.Tally)
         probe = _store_probe(targets)
         fz.run_examples(fz.fast_path_frames(), n,
                         lambda x: fz.raw_send("127.0.0.1", targets.fast_path_port, x, t, targets.alive, probe), seed)
+    elif surface == "owner_reads":
+        probe = _owner_probe(targets.owner_reads_port)
+        fz.run_examples(fz.owner_read_frames(), n,
+                        lambda x: fz.raw_send("127.0.0.1", targets.owner_reads_port, x, t, targets.alive, probe), seed)
     elif surface == "loaders":
         gguf = _gguf_head()
         worker = fz.LoaderWorker(c.env())

@@ -326,7 +326,7 @@ def grpc_send(channel: grpc.Channel, x: tuple[Method, bytes], tally: Tally, aliv
 
 
 # ---------------------------------------------------------------------------------------------
-# raw ports: the transfer engine's tcp backend and the store master's fast path
+# raw ports: the transfer engine's tcp backend, the store master's fast path, a DRAM owner's reads by key
 
 
 def transfer_frames() -> st.SearchStrategy[bytes]:
@@ -360,6 +360,25 @@ def fast_path_frames() -> st.SearchStrategy[bytes]:
     hello = st.sampled_from([HELLO, HELLO, b"", HELLO[:4], b"GET / HTTP/1.1\r\n\r\n"])
     return st.one_of(st.tuples(hello, st.lists(one, min_size=1, max_size=3)).map(lambda t: t[0] + b"".join(t[1])),
                      st.binary(max_size=2048))
+
+
+def owner_read_frames() -> st.SearchStrategy[bytes]:
+    """Reads by key from a DRAM owner (store/owner_wire.py): hostile headers and keys, long pipelines."""
+    from mooncaked.store.owner_wire import MAX_KEY_BYTES, REQUEST
+
+    key = st.one_of(st.sampled_from([b"", b"k", b"x" * MAX_KEY_BYTES, b"x" * (MAX_KEY_BYTES + 1), b"\xff\xfe"]),
+                    st.binary(max_size=64))
+    edges = st.sampled_from([0, 1, 4096, 2**40, 2**40 + 1, 2**64 - 1])
+
+    def request(k: bytes, claimed: int | None, req_id: int, size: int, csum: int) -> bytes:
+        return REQUEST.pack((len(k) if claimed is None else claimed) & 0xFFFF, req_id, size, csum) + k
+
+    one = st.builds(request, key, st.one_of(st.none(), st.sampled_from([0, 1, MAX_KEY_BYTES + 1, 0xFFFF])),
+                    st.integers(0, 2**64 - 1), edges | st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+    pipeline = st.tuples(one, st.integers(1, 300)).map(lambda t: t[0] * t[1])  # many answers owed at once
+    frames = st.lists(one, min_size=1, max_size=4).map(b"".join)
+    return st.one_of(frames, pipeline, st.binary(max_size=2048),
+                     st.tuples(frames, st.integers(1, 60)).map(lambda t: t[0][: t[1]]))
 
 
 def raw_send(host: str, port: int, data: bytes, tally: Tally, alive: Callable[[], str | None],

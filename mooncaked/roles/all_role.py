@@ -64,12 +64,12 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
         return cls(**values)
 
     def engine(cls: type[RoleConfig], role: str, i: int, **over) -> RoleConfig:
-        """Two engines cannot share a data-plane port or an LMDB folder: any port, a folder each
+        """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a folder each
         (ROLE for the first of a role, ROLE-I for the others)."""
         folder = role if i == 0 else f"{role}-{i}"
         lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path else None
         return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
-                    transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_lmdb_path=lmdb,
+                    transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_reads_port=0, store_lmdb_path=lmdb,
                     threads=threads, **over)
 
     threads = cfg.threads or engine_threads(engine_count(cfg))

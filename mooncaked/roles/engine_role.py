@@ -104,8 +104,10 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     # one line and exit 1 rather than an engine that serves nobody (systemd restarts it later)
     unjoined = await membership.joined(cfg.join_timeout_s) if cfg.join_timeout_s else None
     if unjoined is None:
-        print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}, model {model_dir}; "
-              f"security: {security.mode}", flush=True)
+        reads = store.owner_server.address if store is not None and store.owner_server is not None else ""
+        print(f"mooncaked {role} {cfg.name}: gRPC on {address}, transfer on {transfer.address}"
+              f"{f', pool reads by key on {reads}' if reads else ''}, model {model_dir}; security: {security.mode}",
+              flush=True)
         sd_notify("READY=1")
         exit_code = await _until_stop_or_death(server, engine, membership, cfg.name)
     else:

@@ -31,6 +31,7 @@ import torch
 from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.rpc import CHANNEL_OPTIONS, RECONNECT_OPTIONS
 from mooncaked.security import Security
+from mooncaked.startup import listening
 from mooncaked.tasks import spawn
 from mooncaked.store import heap, metrics, owner_index, pinned
 from mooncaked.store.commits_behind import CommitsBehind
@@ -83,6 +84,7 @@ class StoreClientConfig:
     reserve_ahead_bytes: int = 16 << 20  # places reserved ahead for single puts, per object size (0: none)
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
+    owner_reads_port: int = 0  # where we serve them, on the data plane's host (0: any free port)
     # put() returns once its bytes landed (`bytes`: once handed over) and its commit is sent (commits_behind.py)
     commit_behind: bool = False
     keep_freed_heap: bool = True  # glibc keeps freed get results' memory for reuse, not faulted in again (heap.py)
@@ -106,7 +108,8 @@ class StoreClientConfig:
         assert cfg.store is not None, "no store master configured"
         values = dict(master=str(cfg.store), client_id=cfg.name, dram_bytes=cfg.store_dram_bytes,
                       lmdb_path=cfg.store_lmdb_path, lmdb_bytes=cfg.store_lmdb_bytes if cfg.store_lmdb_path else 0,
-                      ping_interval_s=cfg.heartbeat_interval_s, pin_staging=str(cfg.device).startswith("cuda"))
+                      ping_interval_s=cfg.heartbeat_interval_s, pin_staging=str(cfg.device).startswith("cuda"),
+                      owner_reads_port=cfg.store_reads_port)
         values.update(overrides)
         return cls(**values)
 
@@ -180,7 +183,9 @@ class StoreClient:
             self.dram = DramSegment(self.transfer, DRAM_REGION, cfg.dram_bytes)
             if cfg.owner_reads:
                 self.owner_server = OwnerServer(self.dram, self.journal, ServeWindow(), self.security.token)
-                self._own_key_server = await self.owner_server.start(host_of(self.transfer.address))
+                host = host_of(self.transfer.address)
+                with listening("--store-reads-port", (host, cfg.owner_reads_port)):  # a busy port: one line
+                    self._own_key_server = await self.owner_server.start(host, cfg.owner_reads_port)
                 self._publish_index()
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
