@@ -116,16 +116,26 @@ async def test_a_peer_that_never_reads_its_answers_stalls_only_itself_on_an_owne
         flood.sock.close()
 
 
+async def greeted(runner, rcvbuf: int = 0):  # noqa: ANN001, ANN201
+    """A raw socket to the master's fast path that said hello, and the master's side of it."""
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", runner.fast_path.port))
+    sock.sendall(HELLO)
+    conn = await conn_of(runner.fast_path.connections, sock.getsockname()[1])
+    for _ in range(200):
+        if conn._greeted:
+            break
+        await asyncio.sleep(0.01)
+    assert conn._greeted
+    return sock, conn
+
+
 async def test_one_connection_gets_a_turns_worth_of_answers_then_waits_for_the_others():
     runner, _ = await start()
     try:
-        sock = socket.create_connection(("127.0.0.1", runner.fast_path.port))
-        sock.sendall(HELLO)
-        conn = await conn_of(runner.fast_path.connections, sock.getsockname()[1])
-        for _ in range(200):
-            if conn._greeted:
-                break
-            await asyncio.sleep(0.01)
+        sock, conn = await greeted(runner)
         answered = []
         reply = conn._reply
 
@@ -161,6 +171,29 @@ async def test_one_connection_gets_a_turns_worth_of_answers_then_waits_for_the_o
                 ids.append(call_id)
                 del got[:HEADER.size + size]
         assert ids == list(range(1, n + 1))
+        sock.close()
+    finally:
+        await runner.stop()
+
+
+async def test_a_connection_closed_for_garbage_goes_even_if_its_peer_never_takes_the_answers_owed(monkeypatch):
+    from mooncaked.transfer import conn_guard
+
+    monkeypatch.setattr(conn_guard, "CLOSE_FLUSH_S", 0.5)
+    runner, _ = await start()
+    try:
+        sock, conn = await greeted(runner, rcvbuf=4096)  # takes little, and never reads
+        # the kernel holds little of what the master sends it, so answers stay owed in the process
+        conn._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        body = store_pb2.PoolStatsRequest().SerializeToString()
+        frames = b"".join(pack_request(i, "PoolStats", 5000, body) for i in range(1, 2001))
+        conn.data_received(frames + b"\xff" * 64)  # ~50 KB of answers owed (under the high mark), then garbage
+        for _ in range(500):
+            if conn not in runner.fast_path.connections:
+                break
+            await asyncio.sleep(0.01)
+        assert conn._closed
+        assert conn not in runner.fast_path.connections, "a closed connection waits for ever on a peer that never reads"
         sock.close()
     finally:
         await runner.stop()

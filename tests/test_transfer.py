@@ -236,6 +236,45 @@ def test_garbage_bytes_close_the_connection_only(
 
 
 @pytest.mark.timeout(60)
+def test_a_connection_closed_for_garbage_goes_even_if_its_peer_never_takes_the_answers_owed(
+    run: Callable[[Awaitable[None]], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncaked.transfer import conn_guard
+    from mooncaked.transfer.wire import pack_request
+
+    monkeypatch.setattr(conn_guard, "CLOSE_FLUSH_S", 0.5)
+
+    async def body() -> None:
+        engine = TransferEngine()
+        host, port = (await engine.start()).rsplit(":", 1)
+        try:
+            engine.alloc_region("src", 256 * 1024)
+            raw = socket.socket()
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # takes little, and never reads
+            raw.connect((host, int(port)))
+            server = engine._server
+            for _ in range(500):
+                conns = [c for c in server.connections if c._peer.endswith(f":{raw.getsockname()[1]}")]
+                if conns:
+                    break
+                await asyncio.sleep(0.01)
+            conn = conns[0]
+            conn._transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            reads = b"".join(pack_request(Op.READ, i, b"src", 0, 256 * 1024) for i in range(1, 9))
+            raw.sendall(reads + b"GET / HTTP/1.1\r\n\r\n" + bytes(100))  # 2 MiB of answers owed, then garbage
+            for _ in range(500):
+                if conn not in server.connections:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn not in server.connections, "a closed connection waits for ever on a peer that never reads"
+            raw.close()
+        finally:
+            await engine.close()
+
+    run(body())
+
+
+@pytest.mark.timeout(60)
 def test_peer_down_fails_fast_and_blackhole_hits_deadline(run: Callable[[Awaitable[None]], None]) -> None:
     async def body() -> None:
         a, b, addr = await pair(connections_per_peer=1)

@@ -20,6 +20,7 @@ import logging
 import socket
 from typing import Protocol
 
+from mooncaked.transfer import conn_guard
 from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
 from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake
 
@@ -51,7 +52,8 @@ class GuardedConnection(asyncio.Protocol):
         self._peer = "?"
         self._handshake: ServerHandshake | None = None  # while the peer has not proven the secret
         self._watch: ConnWatch | None = None
-        self._closed = False
+        self._closed = False  # by us (close, abort) or the peer
+        self._lost = False  # connection_lost came: nothing of it is left
         self._holds: set[str] = set()  # why requests are not taken now ("answers", "turn", ...): reading paused
 
     def _serve(self, buf: bytes | bytearray) -> tuple[int, bool]:
@@ -148,7 +150,7 @@ class GuardedConnection(asyncio.Protocol):
         self._watch = ConnWatch(server.limits, server.token is None, self._progress, self._partial, self._drop)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self._closed = self._lost = True
         self._server.connections.discard(self)
         if self._handshake is not None:
             self._handshake = None
@@ -173,16 +175,18 @@ class GuardedConnection(asyncio.Protocol):
         return True
 
     def _drop(self, why: str) -> None:
-        """The timer's verdict: close now, whatever is buffered or queued."""
-        if not self._closed:
+        """The timer's verdict: close now, whatever is buffered or queued (closed already too: a peer
+        that does not take the answers owed must not keep the connection)."""
+        if not self._lost:
             logger.warning("closing %s connection from %s: %s", self.what, self._peer, why)
             self.abort()
 
     def close(self) -> None:
+        """Close once the answers owed are sent (within conn_guard.CLOSE_FLUSH_S, else cut off)."""
         self._closed = True
         self._buf = bytearray()
         if self._transport is not None:
-            self._transport.close()
+            conn_guard.close_within(self._transport, lambda: self._drop("answers owed not taken after its close"))
 
     def abort(self) -> None:
         self._closed = True

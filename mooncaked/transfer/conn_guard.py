@@ -53,6 +53,17 @@ class ConnLimits:
 
 
 CLIENT_IDLE_CLOSE_S = ConnLimits().client_idle_s
+CLOSE_FLUSH_S = 5.0
+"""A connection the server closes with answers still queued is cut off if its peer has not taken them by then
+(a peer that never reads would otherwise keep it, and its place under the cap, for ever)."""
+
+
+def close_within(transport: asyncio.Transport, cut_off: Callable[[], None]) -> None:
+    """Close `transport` once what is queued is sent, calling `cut_off` (which aborts it unless it is gone
+    already) after CLOSE_FLUSH_S if something is still queued."""
+    transport.close()
+    if transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_FLUSH_S, cut_off)
 
 
 def admit(limits: ConnLimits, connections: int, unproven: int, needs_proof: bool) -> str | None:

@@ -24,7 +24,7 @@ from typing import cast
 
 from mooncaked.transfer import metrics
 from mooncaked.transfer.api import PeerInfo, ProtocolError, TransferError
-from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit
+from mooncaked.transfer.conn_guard import ConnLimits, ConnWatch, admit, close_within
 from mooncaked.transfer.handshake import ANSWER_BYTES, HandshakeError, ServerHandshake
 from mooncaked.transfer.ratelimit import CHUNK_BYTES, TokenBucket
 from mooncaked.transfer.regions import RegionTable
@@ -71,6 +71,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._hdr_view = memoryview(self._hdr)
         self._scratch: bytearray | None = None  # only when a bad write must be drained
         self._state = _HEADER
+        self._lost = False  # connection_lost came
         self._target: memoryview = self._hdr_view
         self._filled = 0
         self._req: Request | None = None
@@ -118,6 +119,7 @@ class ServerConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._state = _CLOSED
+        self._lost = True
         self._server.connections.discard(self)
         if self._handshake is not None:
             self._handshake = None
@@ -258,8 +260,9 @@ class ServerConnection(asyncio.BufferedProtocol):
             self._transport.abort()
 
     def _drop(self, reason: str) -> None:
-        """The watch's verdict: close now, whatever is queued (the peer may not be reading)."""
-        if self._state != _CLOSED:
+        """The watch's verdict: close now, whatever is queued (the peer may not be reading; closed
+        already too, when it does not take the answers owed)."""
+        if not self._lost:
             logger.warning("closing transfer connection from %s: %s", self._peer, reason)
             self.abort()
 
@@ -270,7 +273,7 @@ class ServerConnection(asyncio.BufferedProtocol):
         self._state = _CLOSED
         if self._transport is not None:
             self._flush()
-            self._transport.close()
+            close_within(self._transport, lambda: self._drop("answers owed not taken after its close"))
 
     # -- responses ---------------------------------------------------------
     def _respond(self, status: Status, req_id: int, body: memoryview | bytes | None, moved: int = 0) -> None:
