@@ -10,7 +10,7 @@ import signal
 
 import pytest
 import torch
-from store_helpers import client, metric, owner_process, start
+from store_helpers import client, held, metric, owner_process, start, until
 
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import reads
@@ -113,6 +113,12 @@ async def test_get_into_a_contiguous_tensor_needs_no_staging_room():
         assert await reader.get_into("z/x", out)  # again, now from the hint the lookup left
         with pytest.raises(InvalidArgument, match="staging"):
             await reader.get("z/x")
+        # as bytes by key from its owner too (no staging is used there, but the limit is every get's)
+        await held(owner, "z/x")
+        await until(owner.owner_server.window.open, "the owner vouched for by its master")
+        for ask in (reader.get("z/x"), reader.batch_get(["z/x"])):
+            with pytest.raises(InvalidArgument, match="staging"):
+                await ask
         with pytest.raises(InvalidArgument, match="staging"):
             await reader.get_into("z/x", torch.empty(32 * KiB, dtype=torch.int32)[::2])
         assert not into_regions(reader)

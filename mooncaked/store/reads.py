@@ -212,6 +212,12 @@ class Reader:
         return served
 
     # -- reads by key from the owners -------------------------------------------------------------
+    def _into_new_bytes(self, call: GetCall, size: int) -> bool:
+        """Whether an owner's answer lands in the new bytes object the get returns (OwnerLinks.read with no
+        `into`): when the caller wants bytes, up to the size such a read takes. No staging is used, but
+        the limit is every get's (an object over the staging area is refused, whichever path it takes)."""
+        return call.out is not None and size <= SCRATCH_MAX_BYTES and self.staging.fits([size])
+
     async def from_owners(self, call: GetCall, picked: list[tuple[str, Hint]]) -> tuple[set[str], set[str]]:
         """Ask each object's owner for it by key, with the size and checksum last seen (owner_server.py):
         one round trip, no master. Returns the keys served (their bytes checked) and the keys whose
@@ -222,7 +228,7 @@ class Reader:
         any other in the staging area."""
         assert self.owners is not None
         staged = [j for j, (k, h) in enumerate(picked)
-                  if not _into_new_bytes(call, h.size) and self._in_place(call, k, h.size) is None]
+                  if not self._into_new_bytes(call, h.size) and self._in_place(call, k, h.size) is None]
         fit = {staged[j] for j in self._fitting([picked[i][1].size for i in staged])}
         picked = [p for j, p in enumerate(picked) if j in fit or j not in staged]
         served: set[str] = set()
@@ -230,7 +236,7 @@ class Reader:
         if not picked:
             return served, gone
         async with AsyncExitStack() as stack:
-            landed = [j for j, (_, h) in enumerate(picked) if not _into_new_bytes(call, h.size)]
+            landed = [j for j, (_, h) in enumerate(picked) if not self._into_new_bytes(call, h.size)]
             landings = dict(zip(landed, await self.landings(call, [picked[j][0] for j in landed],
                                                             [picked[j][1].size for j in landed], stack, register=False)))
             by_owner: dict[str, list[int]] = {}
@@ -460,12 +466,6 @@ class Reader:
         call.got[i] = True
         metrics.client_bytes("get").inc(o.size)
         return True
-
-
-def _into_new_bytes(call: GetCall, size: int) -> bool:
-    """Whether an owner's answer lands in the new bytes object the get returns (OwnerLinks.read with no
-    `into`): when the caller wants bytes, up to the size such a read takes."""
-    return call.out is not None and size <= SCRATCH_MAX_BYTES
 
 
 class Early:
