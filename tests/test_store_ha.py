@@ -273,7 +273,7 @@ class Stream:
 
 async def test_cluster_survives_a_killed_a_frozen_and_a_cut_off_leader(tiny_model_factory, tmp_path, etcd):
     from cluster import Cluster
-    from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
+    from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
     from mooncaked.store.master_link import MasterLink
     from tiny_models import random_prompts
 
@@ -339,6 +339,13 @@ async def test_cluster_survives_a_killed_a_frozen_and_a_cut_off_leader(tiny_mode
             await conductor.SetDrain(conductor_pb2.SetDrainRequest(name="p2", drain=False), timeout=5)
             await conductor.SetDrain(conductor_pb2.SetDrainRequest(name="p1", drain=True), timeout=5)
             await until(lambda: _pool_objects(link, 60 + len(stream.committed)), what="everything re-reported to s2")
+            for _ in range(300):  # an undrain the engine did not confirm in time shows with its next heartbeat
+                st = await conductor.Status(conductor_pb2.StatusRequest(without_pool_stats=True), timeout=5)
+                if any(i.name == "p2" and i.state == common_pb2.INSTANCE_STATE_SERVING for i in st.instances):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("p2 not serving 30 s after its undrain")
             second = [x async for x in conductor.Generate(_request(prefix + [7, 8, 9]), timeout=60)]
             assert second[0].prefill_instance == "p2"
             assert second[0].num_cached_tokens >= 0.9 * len(prefix), second[0].num_cached_tokens
