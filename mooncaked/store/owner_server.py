@@ -195,7 +195,7 @@ class _Conn(GuardedConnection):
             transport.writelines((REPLY.pack(r.req_id, SERVED, r.size), view))
         if unserved:
             transport.write(bytes(unserved))
-        return used, len(requests) == MAX_PER_TURN or bool(self._holds)
+        return used, len(requests) == MAX_PER_TURN
 
 
 __all__ = ["NOT_HELD", "SERVED", "WINDOW_CLOSED", "OwnerServer", "ServeWindow"]
