@@ -1,6 +1,7 @@
 """One peer cannot take a store server over by the requests it sends (guarded_conn.py): the master's
 fast path and an owner's reads by key stop reading a peer whose answers pile up unread, and answer
-at most a turn's worth of one connection's requests before the event loop serves the others.
+at most a turn's worth of one connection's requests before the event loop serves the others; the
+fast path reads no more of a connection with MAX_RUNNING calls waiting.
 
 Real master, real clients, real sockets on loopback; the flooding peer is a raw socket in a thread.
 """
@@ -9,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import threading
 import time
 
 import pytest
-from store_helpers import client, held, pool, start
+from store_helpers import client, held, owner_process, pool, start
 
 from mooncaked.proto.mooncake.v1 import store_pb2
+from mooncaked.store import service
+from mooncaked.store.fast_path import MAX_RUNNING
 from mooncaked.store.fast_wire import HEADER, HELLO, REPLY, pack_request
 from mooncaked.store.guarded_conn import MAX_PER_TURN, WRITE_HIGH
 from mooncaked.store.owner_wire import KeyRequest
@@ -205,4 +209,68 @@ async def test_a_connection_closed_for_garbage_goes_even_if_its_peer_never_takes
         assert conn not in runner.fast_path.connections, "a closed connection waits for ever on a peer that never reads"
         sock.close()
     finally:
+        await runner.stop()
+
+
+async def test_a_connection_with_max_running_calls_waiting_is_read_no_further_until_they_end(monkeypatch):
+    """Removes wait for an owner that cannot acknowledge (stopped): once MAX_RUNNING of one connection's
+    calls wait, the master reads no more of it; others are served meanwhile, and every call is answered
+    once the owner's window runs out."""
+    monkeypatch.setattr(service, "SERVE_WINDOW_S", 1.5)
+    runner, addr = await start(client_ttl_s=60.0)  # the master keeps the stopped owner mounted
+    proc = owner_process(addr, "stopped")
+    writer = await client(addr, "writer")
+    sock = None
+    try:
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, proc.stdout.readline) == "ready\n"
+        n = MAX_RUNNING + MAX_PER_TURN + 7
+        assert all(await writer.batch_put([(f"r/{i}", os.urandom(1 * KiB)) for i in range(n)]))
+        async with asyncio.timeout(10):  # its journal (in order) holds the last key, so all of them
+            while True:
+                proc.stdin.write(f"r/{n - 1}\n")
+                proc.stdin.flush()
+                if (await loop.run_in_executor(None, proc.stdout.readline)).strip() == "held":
+                    break
+                await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)
+        sock, conn = await greeted(runner)
+        frames = b"".join(pack_request(i + 1, "Remove", 10_000,
+                                       store_pb2.RemoveRequest(keys=[f"r/{i}"]).SerializeToString()) for i in range(n))
+        sock.sendall(frames)
+        most, held_at = 0, None
+        async with asyncio.timeout(10):
+            while held_at is None:
+                most = max(most, len(conn._tasks))
+                if "running" in conn._holds:
+                    held_at = loop.time()
+                await asyncio.sleep(0)
+        assert len(conn._tasks) == MAX_RUNNING and not conn._transport.is_reading()
+        assert conn._frames == MAX_RUNNING  # the rest wait unread
+        assert await writer.pool_stats() is not None  # another connection is served meanwhile
+        assert await writer.exist(f"r/{n - 1}")  # (a put would go to the stopped owner's DRAM, the only one)
+        while conn._tasks:
+            most = max(most, len(conn._tasks))
+            await asyncio.sleep(0.005)
+        assert most <= MAX_RUNNING, most
+        sock.settimeout(10)
+        got, removed = bytearray(), {}
+        while len(removed) < n:  # every call answered, each key removed once
+            got += sock.recv(1 << 16)
+            while len(got) >= HEADER.size:
+                size, kind, status, _, call_id, _ = HEADER.unpack_from(got)
+                if len(got) < HEADER.size + size:
+                    break
+                assert kind == REPLY and status == 0, bytes(got[HEADER.size:HEADER.size + size])
+                removed[call_id] = store_pb2.RemoveReply.FromString(bytes(got[HEADER.size:HEADER.size + size])).removed
+                del got[:HEADER.size + size]
+        assert sorted(removed) == list(range(1, n + 1)) and set(removed.values()) == {1}
+        assert loop.time() - held_at > 0.5  # they waited for the window, not for an acknowledgement
+    finally:
+        if sock is not None:
+            sock.close()
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+        await writer.close()
         await runner.stop()
