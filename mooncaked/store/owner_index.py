@@ -57,6 +57,7 @@ WAYS = 4
 UNTIL_AT = 16  # the window's offset in the header
 MARGIN_NS = 5_000_000  # window a reader wants left (copy and check fit well inside)
 SUFFIX = "-index"
+_pack_seq, _pack_entry = SEQ.pack_into, ENTRY.pack_into
 MIN_SLOTS, MAX_SLOTS = 1024, 1 << 20
 
 
@@ -101,6 +102,8 @@ class OwnerIndex:
         HEADER.pack_into(self._view, 0, MAGIC, slots, 0)
         self._key_at: list[str | None] = [None] * slots
         self._slot_of: dict[str, int] = {}
+        self._seq = [0] * slots  # each slot's sequence number, as written (the one writer keeps its own copy)
+        self._mask = slots // WAYS - 1
         self._victim = bytearray(slots // WAYS)  # per bucket: the way to evict next (round robin)
         self.until_ns = 0
 
@@ -108,11 +111,11 @@ class OwnerIndex:
         """The journal holds `key` at `offset` now (a new entry, or one that moved)."""
         khash = key_hash(key)
         slot = self._slot_of.get(key)
-        if slot is None:
-            bucket = (khash & (self.slots // WAYS - 1)) * WAYS
-            ways = range(bucket, bucket + WAYS)
-            slot = next((s for s in ways if self._key_at[s] is None), -1)
-            if slot < 0:
+        if slot is None:  # (applied a few hundred times a flush: kept to C-level calls)
+            bucket = (khash & self._mask) * WAYS
+            try:
+                slot = self._key_at.index(None, bucket, bucket + WAYS)
+            except ValueError:  # full: evict its ways in turn
                 way = self._victim[bucket // WAYS]
                 self._victim[bucket // WAYS] = (way + 1) % WAYS
                 slot = bucket + way
@@ -161,11 +164,13 @@ class OwnerIndex:
         self._mm.close()
 
     def _write(self, slot: int, khash: int, offset: int, size: int, checksum: int) -> None:
-        at = _slot_at(slot)
-        seq = SEQ.unpack_from(self._view, at)[0]
-        SEQ.pack_into(self._view, at, seq + 1)  # odd: readers skip it, or find it changed after
-        ENTRY.pack_into(self._view, at + 8, khash, offset, size, checksum)
-        SEQ.pack_into(self._view, at, seq + 2)
+        at = HEADER_BYTES + slot * SLOT_BYTES
+        seq = self._seq[slot] + 1
+        view = self._view
+        _pack_seq(view, at, seq)  # odd: readers skip it, or find it changed after
+        _pack_entry(view, at + 8, khash, offset, size, checksum)
+        _pack_seq(view, at, seq + 1)
+        self._seq[slot] = seq + 1
 
 
 class IndexView:
