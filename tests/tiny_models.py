@@ -5,11 +5,13 @@ The oracle is `transformers` itself running the same files.
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from shaped_model import write_word_tokenizer  # noqa: E402  (the benches' stand-in models use the same one)
 
 VOCAB = 256
 
@@ -26,15 +28,7 @@ ARCH_KW: dict[str, dict] = {
 
 def write_tokenizer(folder: Path) -> None:
     """A word-level tokenizer over tokens "t0".."t255": text round-trips and stop strings can be tested."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "t2", "bos_token": "t1",
-        "chat_template": "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}{% if add_generation_prompt %}t5{% endif %}",
-    }))
+    write_word_tokenizer(folder, VOCAB)
 
 
 def make_tiny_model(arch: str, folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -76,11 +70,11 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([prompt])).logits[0].float()
+        return model(torch.tensor([prompt], device=model.device)).logits[0].float()
