@@ -83,3 +83,10 @@ def owner_process(addr: str, name: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)
+
+
+async def ask(proc: subprocess.Popen, key: str) -> str:
+    """An owner_process's answer for `key`: "held" or "not held"."""
+    proc.stdin.write(key + "\n")
+    proc.stdin.flush()
+    return (await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)).strip()

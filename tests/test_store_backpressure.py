@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from store_helpers import client, held, owner_process, pool, start
+from store_helpers import ask, client, held, owner_process, pool, start
 
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import service
@@ -227,11 +227,7 @@ async def test_a_connection_with_max_running_calls_waiting_is_read_no_further_un
         n = MAX_RUNNING + MAX_PER_TURN + 7
         assert all(await writer.batch_put([(f"r/{i}", os.urandom(1 * KiB)) for i in range(n)]))
         async with asyncio.timeout(10):  # its journal (in order) holds the last key, so all of them
-            while True:
-                proc.stdin.write(f"r/{n - 1}\n")
-                proc.stdin.flush()
-                if (await loop.run_in_executor(None, proc.stdout.readline)).strip() == "held":
-                    break
+            while await ask(proc, f"r/{n - 1}") != "held":
                 await asyncio.sleep(0.01)
         proc.send_signal(signal.SIGSTOP)
         sock, conn = await greeted(runner)

@@ -8,10 +8,9 @@ import asyncio
 import os
 import signal
 import socket
-import subprocess
 
 import pytest
-from store_helpers import client, held, metric, owner_process, pool, start, until
+from store_helpers import ask, client, held, metric, owner_process, pool, start, until
 
 from mooncaked.security import Security
 from mooncaked.store import Policy, StoreClient, StoreClientConfig
@@ -141,12 +140,6 @@ async def test_in_a_batch_get_of_bytes_one_bad_object_fails_only_itself():
         fallbacks, hits = owner_gets("fallback"), owner_gets("hit")
         assert await writer.batch_get(list(objs)) == [objs["y/0"], None, objs["y/2"]]
         assert owner_gets("hit") == hits + 2 and owner_gets("fallback") == fallbacks + 1
-
-
-async def ask(proc: subprocess.Popen, key: str) -> str:
-    proc.stdin.write(key + "\n")
-    proc.stdin.flush()
-    return (await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline)).strip()
 
 
 async def test_a_stalled_owner_cannot_serve_a_key_removed_while_it_was_stopped(monkeypatch):
