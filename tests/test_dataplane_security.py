@@ -363,7 +363,7 @@ async def test_fast_path_without_the_handshake_moves_no_byte():
     loop = asyncio.get_running_loop()
     try:
         assert await owner.put("k/1", b"x" * 1000)
-        assert owner._fast is not None and not owner._fast.closed, "the secured client uses the fast path"
+        assert owner.calls.fast is not None and not owner.calls.fast.closed, "the secured client uses the fast path"
         remove = pack_request(1, "Remove", 1000, store_pb2.RemoveRequest(keys=["k/1"]).SerializeToString())
         stats = pack_request(2, "PoolStats", 1000, b"")
         for what, data in {"greeting and Remove": HELLO + remove, "answer-sized junk": b"\0" * 64 + HELLO + stats,
@@ -408,7 +408,7 @@ async def test_fast_path_refuses_a_wrong_secret_and_serves_the_right_one_on_tcp_
             data = os.urandom(200_000)
             assert await a.put("m/1", data)
             assert await b.get("m/1") == data
-            assert b._fast is not None and not b._fast.closed
+            assert b.calls.fast is not None and not b.calls.fast.closed
         finally:
             await b.close()
             await a.close()
@@ -477,7 +477,6 @@ async def test_fast_path_connection_cap_refuses_extras_without_harming_others():
     runner, addr = await _secured_master()
     runner.fast_path.limits = ConnLimits(max_connections=2, max_unproven=1)
     port = runner.service.fast_path_port
-    loop = asyncio.get_running_loop()
     c = await _store_client(addr, "c", SECRET, dram_bytes=1 << 20)
     held: list[socket.socket] = []
     try:
@@ -494,7 +493,7 @@ async def test_fast_path_connection_cap_refuses_extras_without_harming_others():
         assert closed and got == b""
         for i in range(20):
             assert await c.get("c/1") == b"z" * 100
-        assert c._fast is not None and not c._fast.closed
+        assert c.calls.fast is not None and not c.calls.fast.closed
     finally:
         for s in held:
             s.close()
@@ -509,7 +508,7 @@ async def test_a_request_over_the_fast_path_limit_goes_by_grpc():
         assert await c.put("small/1", b"s" * 10)
         keys = [f"big/{i:04d}/" + "k" * 1000 for i in range(1200)]  # ~1.2 MB of keys
         assert await c.batch_exist(keys) == [False] * len(keys)
-        assert c._fast is not None and not c._fast.closed  # the fast path stayed up for the rest
+        assert c.calls.fast is not None and not c.calls.fast.closed  # the fast path stayed up for the rest
     finally:
         await c.close()
         await runner.stop()

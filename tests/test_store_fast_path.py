@@ -54,7 +54,7 @@ async def test_fast_path_answers_bad_input_with_the_same_typed_errors_as_grpc():
             with pytest.raises(error) as on_fast:
                 await fast.call(method, request, 5)
             with pytest.raises(error) as on_grpc:
-                await slow._call(method, getattr(slow.stub, method), request)
+                await slow.calls.call(method, request)
             assert text in str(on_fast.value) and text in str(on_grpc.value), (method, on_fast.value)
         with pytest.raises(StoreError, match="UNIMPLEMENTED.*no unary StoreMaster method 'Tasks'"):
             await fast.call_raw("Tasks", b"", 5)
@@ -68,7 +68,7 @@ async def test_fast_path_answers_bad_input_with_the_same_typed_errors_as_grpc():
         assert await owner.get("m/ok2") == data[:KiB]
         reply = await fast.call("Describe", store_pb2.DescribeRequest(), 5)
         assert reply.fast_path_port == runner.service.fast_path_port and reply.master_epoch == runner.master.epoch
-        assert owner._fast is not None and slow._fast is None
+        assert owner.calls.fast is not None and slow.calls.fast is None
     finally:
         fast.close()
         await slow.close()
@@ -87,7 +87,7 @@ async def test_clients_use_grpc_when_the_master_has_no_fast_path():
         data = os.urandom(5000)
         assert await c.put("k", data)
         assert await c.get("k") == data
-        assert c._fast is None
+        assert c.calls.fast is None
     finally:
         await c.close()
         await runner.stop()
@@ -123,7 +123,7 @@ async def test_garbage_on_the_fast_port_closes_only_that_connection():
             assert await loop.run_in_executor(None, _closed_by_peer, s)
             s.close()
         assert await c.get("before") == b"x" * 100  # the master keeps serving, on the fast path
-        assert c._fast is not None and not c._fast.closed
+        assert c.calls.fast is not None and not c.calls.fast.closed
     finally:
         await c.close()
         await runner.stop()
@@ -150,7 +150,7 @@ async def test_a_restarted_master_is_found_again_on_its_new_fast_port():
     c = await client(f"127.0.0.1:{port}", "c", dram_bytes=1 << 20, rpc_timeout_s=2.0)
     try:
         assert await c.put("a", b"1" * 64)
-        old_fast = c._fast
+        old_fast = c.calls.fast
         await first.stop()
         with pytest.raises(StoreUnavailable):
             await c.exist("a")
@@ -168,7 +168,7 @@ async def test_a_restarted_master_is_found_again_on_its_new_fast_port():
                 await asyncio.sleep(0.1)
             assert await c.get("b") == b"2" * 64
             # gRPC carries the calls until the fast path's retry pause ends; then a new channel opens
-            while c._fast is old_fast or c._fast is None or c._fast.closed:
+            while c.calls.fast is old_fast or c.calls.fast is None or c.calls.fast.closed:
                 assert await c.exist("b")
                 assert asyncio.get_running_loop().time() < deadline, "the fast path never came back"
                 await asyncio.sleep(0.1)
@@ -262,7 +262,7 @@ async def test_an_unreachable_fast_port_leaves_the_client_on_grpc():
         for i in range(20):
             assert await c.put(f"k{i}", b"x" * 1000)
             assert await c.get(f"k{i}") == b"x" * 1000
-        assert c._fast is None and c._fast_retry_at > loop.time(), "a failed opening must back off"
+        assert c.calls.fast is None and c.calls.retry_at > loop.time(), "a failed opening must back off"
     finally:
         await c.close()
         await runner.stop()
@@ -277,10 +277,10 @@ async def test_a_client_on_the_masters_host_takes_the_unix_socket_else_tcp(unix:
     try:
         assert (runner.service.fast_path_unix != "") == (unix and sys.platform == "linux")
         assert await owner.put("k", b"v" * 100) and await owner.get("k") == b"v" * 100
-        assert owner._fast is not None and not owner._fast.closed
+        assert owner.calls.fast is not None and not owner.calls.fast.closed
         expected = f"unix:{runner.service.fast_path_unix}" if runner.service.fast_path_unix else \
             f"127.0.0.1:{runner.service.fast_path_port}"
-        assert owner._fast.address == expected
+        assert owner.calls.fast.address == expected
         if runner.service.fast_path_unix:  # the socket answers raw frames like the TCP port does
             fast = await FastChannel.connect("127.0.0.1", 0, 5, unix=runner.service.fast_path_unix)
             try:

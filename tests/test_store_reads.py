@@ -200,13 +200,13 @@ async def test_a_pipelined_batch_put_into_places_reserved_ahead_stores_every_obj
     try:
         size = 24 * KiB
         assert await writer.put("r/warm", os.urandom(size))  # reserves places of this size ahead
-        [stock] = writer._places._stock.values()
+        [stock] = writer.places._stock.values()
         reserved = {p.replicas[0].offset for p in stock}
         assert len(reserved) >= 2 * reads.PIPELINE_GROUP + 1
         items = [(f"r/{i}", os.urandom(size)) for i in range(2 * reads.PIPELINE_GROUP + 1)]
         items += [("r/other-size", os.urandom(size + 64)), ("r/tensor", torch.arange(size // 4, dtype=torch.int32))]
         assert await writer.batch_put(items) == [True] * len(items)
-        looked_up = await reader._call("BatchGetReplicas", reader.stub.BatchGetReplicas, store_pb2.BatchGetReplicasRequest(
+        looked_up = await reader.calls.call("BatchGetReplicas", store_pb2.BatchGetReplicasRequest(
             keys=[k for k, _ in items[:-2]], client_id="reader"))
         assert {o.replicas[0].offset for o in looked_up.objects} <= reserved  # the places reserved ahead
         got = await reader.batch_get([k for k, _ in items])
@@ -242,7 +242,7 @@ async def test_a_batch_put_whose_reserved_places_died_with_their_owner_lands_els
         assert await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline) == "ready\n"
         size = 16 * KiB
         assert await writer.put("d/warm", os.urandom(size))  # places ahead: all on "doomed", the only owner
-        [stock] = writer._places._stock.values()
+        [stock] = writer.places._stock.values()
         assert stock and all(p.replicas[0].segment == "doomed/dram" for p in stock)
         owner = await client(addr, "owner", dram_bytes=1 << 20)
         proc.kill()
@@ -254,8 +254,8 @@ async def test_a_batch_put_whose_reserved_places_died_with_their_owner_lands_els
         items = [(f"d/{i}", os.urandom(size)) for i in range(reads.PIPELINE_GROUP + 2)]
         assert await writer.batch_put(items) == [True] * len(items)
         assert "failed on the data plane" in caplog.text and "giving their places back" in caplog.text  # tried
-        looked_up = await writer._call("BatchGetReplicas", writer.stub.BatchGetReplicas,
-                                       store_pb2.BatchGetReplicasRequest(keys=[k for k, _ in items], client_id="w"))
+        looked_up = await writer.calls.call("BatchGetReplicas", store_pb2.BatchGetReplicasRequest(
+            keys=[k for k, _ in items], client_id="w"))
         assert {o.replicas[0].segment for o in looked_up.objects} == {"owner/dram"}
         assert await writer.batch_get([k for k, _ in items]) == [v for _, v in items]
     finally:

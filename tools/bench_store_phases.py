@@ -73,9 +73,8 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
         async with staging.lease([size]) as (off,):
             for i, d in enumerate(fresh):
                 if not places:
-                    reply = await client._call("ReservePlaces", client.stub.ReservePlaces,
-                                               store_pb2.ReservePlacesRequest(client_id="phases-driver", size=size,
-                                                                              count=32))
+                    reply = await client.calls.call("ReservePlaces", store_pb2.ReservePlacesRequest(
+                        client_id="phases-driver", size=size, count=32))
                     places = list(reply.reservations)
                 place = places.pop()
                 rep = place.replicas[0]
@@ -86,11 +85,11 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
                                                          rep.endpoint.region, rep.offset, size)])
                 t["put_write_rtt"].append(time.perf_counter() - s)
                 s = time.perf_counter()
-                await client._call("BatchPutEnd", client.stub.BatchPutEnd, store_pb2.BatchPutEndRequest(
+                await client.calls.call("BatchPutEnd", store_pb2.BatchPutEndRequest(
                     reserved=[store_pb2.ReservedPut(reservation=place.id, key=f"byhand/{i}", checksum=csum)]))
                 t["put_commit_rtt"].append(time.perf_counter() - s)
         if places:
-            await client._call("BatchPutEnd", client.stub.BatchPutEnd, store_pb2.BatchPutEndRequest(
+            await client.calls.call("BatchPutEnd", store_pb2.BatchPutEndRequest(
                 revoke_reservations=[p.id for p in places]))
         await client.remove([f"byhand/{i}" for i in range(n)])
         into = torch.empty(size, dtype=torch.uint8)
@@ -134,8 +133,8 @@ def _driver(pipe: Any, master: str, n: int, size: int) -> None:
         async with staging.lease([size]) as (off,):
             for k in keys:
                 s = time.perf_counter()
-                found = await client._call("BatchGetReplicas", client.stub.BatchGetReplicas,
-                                           store_pb2.BatchGetReplicasRequest(keys=[k], client_id="phases-driver"))
+                found = await client.calls.call("BatchGetReplicas",
+                                                store_pb2.BatchGetReplicasRequest(keys=[k], client_id="phases-driver"))
                 t["get_lookup_rtt"].append(time.perf_counter() - s)
                 rep = found.objects[0].replicas[0]
                 s = time.perf_counter()

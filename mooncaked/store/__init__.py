@@ -2,7 +2,8 @@
 
 master.py/eviction.py (metadata state machine), service.py (its gRPC face; pool_events.py
 streams what the pool holds to prefix indexes), client.py (what engines embed: DRAM segment,
-LMDB tier, put/get through transfer/). See DESIGN.md §5.
+LMDB tier; puts in writes.py, gets in gets.py + reads.py, bytes through transfer/). See
+docs/architecture.md, the store's row.
 
 The client is imported lazily: the master never needs torch or the data plane, and a
 store daemon should start in a second, not in the time torch takes to import.

@@ -3,7 +3,7 @@
 The master tells a DRAM segment's owner what was committed there in batches (dram_journal.py), up
 to JOURNAL_FLUSH_S after the commit; a leader killed in between would leave the owner unaware of an
 object the writer was told is stored, and a new leader rebuilt from the owners' remounts would not
-know it. A put on the writer's own DRAM is journaled by the writer itself at commit (client.py);
+know it. A put on the writer's own DRAM is journaled by the writer itself at commit (writes.py);
 for a put on another's DRAM the writer keeps its record here for KEEP_S and, when the leader
 changes, re-reports it (`ReportWrites`); the new master takes it only into free space, and every
 read checks the checksum, so a stale record can cost a miss, never wrong bytes.
