@@ -43,6 +43,7 @@ from mooncaked.store.errors import StoreError, StoreUnavailable, from_rpc_error
 from mooncaked.store.lmdb_tier import LmdbTier
 from mooncaked.store.master_calls import MasterCalls
 from mooncaked.store.master_link import MasterLink, host_of
+from mooncaked.store.master_watch import MasterWatch
 from mooncaked.store.mounts import Mounts
 from mooncaked.store.owner_link import OwnerLinks
 from mooncaked.store.owner_index import IndexViews, OwnerIndex
@@ -146,6 +147,7 @@ class StoreClient:
         self.journal = DramJournal()  # what the master says our DRAM holds (re-reported at a remount)
         self.recent_writes = RecentWrites()  # our recent puts on others' DRAM (re-reported at a leader change)
         self._reporting: asyncio.Task | None = None
+        self._watch: MasterWatch | None = None  # holds recent_writes while the master may be gone
 
     @property
     def dram_segment(self) -> str:
@@ -197,8 +199,10 @@ class StoreClient:
                     self.calls.leader_moved()
 
             self._link.on_change(leader_moved)
+            self._watch = MasterWatch(self._link, self.recent_writes, lambda: self.places.epoch,
+                                      self._report_now, cfg.client_id, cfg.ping_interval_s, cfg.rpc_timeout_s)
             self.calls = MasterCalls(self._link, self.security, cfg.client_id, self.places, fast_path=cfg.fast_path,
-                                     timeout_s=cfg.rpc_timeout_s)
+                                     timeout_s=cfg.rpc_timeout_s, suspect=self._watch.suspect)
             self._ahead = PlacesAhead(self.calls, self.places, cfg.client_id, cfg.reserve_ahead_bytes)
         if self.writer is None:
             assert self.calls is not None and self._ahead is not None and self.staging is not None
@@ -213,15 +217,19 @@ class StoreClient:
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread, self.journal, remounted=self._report_soon,
                              changing=self._master_changing, window=owner.window if owner else None,
+                             unreachable=self._watch.suspect if self._watch else lambda: None,
                              key_server=owner.address if owner else "")
         await self.mounts.mount_all()
         if self.dram is None and self.lmdb is None:
             # it lends nothing, so mounting asked the master nothing: ask it once, so that a master that
             # is not there is found now (a startup error the user can fix), not at the first get
             try:
-                await self.stub.Describe(store_pb2.DescribeRequest(), timeout=cfg.rpc_timeout_s)
+                described = await self.stub.Describe(store_pb2.DescribeRequest(), timeout=cfg.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
                 raise from_rpc_error(e, "describe") from None
+            self.places.follow(described.master_epoch)
+        else:
+            self.places.follow(self.mounts.epoch)  # the master our puts go to (master_watch.py compares)
         if self.dram is not None:  # a client that lends nothing needs no liveness and gets no tasks
             self.worker = TierWorker(cfg.client_id, self.stub, self.dram, self.lmdb, cfg.rpc_timeout_s,
                                      self.mounts.request_remount, self._lmdb_thread, self.journal,
@@ -241,6 +249,8 @@ class StoreClient:
                            len(lost))
         if self.lmdb is not None and self.dram is not None and self.worker is not None:
             await self._evacuate(evacuate_timeout_s)
+        if self._watch is not None:
+            await self._watch.close()
         reporting = [self._reporting] if self._reporting is not None else []
         for t in [*self._tasks, *reporting]:
             t.cancel()
@@ -324,10 +334,17 @@ class StoreClient:
         if self.worker is not None:
             self.worker.drop_queued()
 
-    def _report_soon(self) -> None:
+    def _report_soon(self) -> asyncio.Task | None:
         """The master changed (a new leader, or a restart): re-report recent writes, once at a time."""
         if len(self.recent_writes) and (self._reporting is None or self._reporting.done()):
             self._reporting = spawn(self.report_recent_writes(), f"store-report-{self.config.client_id}")
+        return self._reporting
+
+    async def _report_now(self) -> None:
+        """Re-report the recent writes now (master_watch.py), or wait for the re-report under way."""
+        task = self._report_soon()
+        if task is not None:
+            await asyncio.shield(task)
 
     async def report_recent_writes(self, for_s: float = KEEP_S) -> None:
         """After a leader change: re-report our recent puts on other clients' DRAM (recent_writes.py),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -36,16 +36,18 @@ class MasterCalls:
 
     `places` is the client's stock of places reserved ahead: it belongs to the master that reserved
     them, so a lost fast path (a master killed, restarted or deposed) forgets it, and a new channel
-    tells it which master's epoch it now follows."""
+    tells it which master's epoch it now follows. `suspect()` runs whenever the master may be gone
+    (the fast path was lost, a call found it unavailable): master_watch.py."""
 
     def __init__(self, link: MasterLink, security: Security, client_id: str, places: Places, *,
-                 fast_path: bool = True, timeout_s: float = 5.0) -> None:
+                 fast_path: bool = True, timeout_s: float = 5.0, suspect: Callable[[], None] = lambda: None) -> None:
         self.link = link
         self.security = security
         self.client_id = client_id
         self.places = places
         self.use_fast_path = fast_path
         self.timeout_s = timeout_s
+        self.suspect = suspect
         self.fast: FastChannel | None = None
         self.retry_at = 0.0  # after a fast-path failure, gRPC until then (loop time)
         self._backoff = FAST_RETRY_S
@@ -81,12 +83,19 @@ class MasterCalls:
                 pass
         return self._grpc_reply(what, getattr(self.stub, what)(request, timeout=self.timeout_s))  # starts here
 
-    @staticmethod
-    async def _grpc_reply(what: str, call: Awaitable[Any]) -> Any:
+    async def _grpc_reply(self, what: str, call: Awaitable[Any]) -> Any:
         try:
             return await call
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e, what) from None
+            error = from_rpc_error(e, what)
+            if isinstance(error, StoreUnavailable):
+                self.suspect()
+            raise error from None
+
+    def _lost(self) -> None:
+        """The fast path's master is lost to us: its reserved places are another master's to give."""
+        self.places.forget()
+        self.suspect()
 
     def leader_moved(self) -> None:
         """The leader moved: the fast path reopens toward the new one at the next call."""
@@ -115,18 +124,17 @@ class MasterCalls:
                     return None
                 host = host_of(address)
                 link = self.link if self.link.following else None  # calls it no longer serves go on by gRPC
-                lost = self.places.forget  # a master lost: its reserved places are another master's to give
                 timeout = min(self.timeout_s, FAST_CONNECT_TIMEOUT_S)
                 self.fast = None
                 if reply.fast_path_unix and reply.host_id == host_id():  # same host: the cheaper socket
                     try:
                         self.fast = await FastChannel.connect(host, 0, timeout, unix=reply.fast_path_unix,
-                                                              token=self.security.token, link=link, on_lost=lost)
+                                                              token=self.security.token, link=link, on_lost=self._lost)
                     except StoreUnavailable as e:
                         logger.info("store client %s: %s; using TCP", self.client_id, e)
                 if self.fast is None:
                     self.fast = await FastChannel.connect(host, reply.fast_path_port, timeout,
-                                                          token=self.security.token, link=link, on_lost=lost)
+                                                          token=self.security.token, link=link, on_lost=self._lost)
                 self.places.follow(reply.master_epoch)
                 self._backoff = FAST_RETRY_S
                 return self.fast

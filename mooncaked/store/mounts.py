@@ -36,10 +36,12 @@ class Mounts:
                  dram: DramSegment | None, lmdb: LmdbTier | None, rpc_timeout_s: float,
                  lmdb_thread: Executor | None = None, journal: DramJournal | None = None,
                  remounted: Callable[[], None] = lambda: None, changing: Callable[[], None] = lambda: None,
-                 window: ServeWindow | None = None, key_server: str = "") -> None:
+                 window: ServeWindow | None = None, key_server: str = "",
+                 unreachable: Callable[[], None] = lambda: None) -> None:
         self.client_id = client_id
         self._changing = changing  # before a remount at a new master (the tier worker drops the old one's tasks)
         self._remounted = remounted  # after a remount at a new master (the client re-reports its recent writes)
+        self._unreachable = unreachable  # a ping found no master (the client holds its recent writes)
         self._stub = stub
         self._transfer = transfer
         self._dram = dram
@@ -144,6 +146,7 @@ class Mounts:
                 if not down:
                     logger.warning("store master unreachable (%s); retrying", e.code().name)
                     down = True
+                self._unreachable()
             except Exception:  # noqa: BLE001 - keep pinging; a failed remount is retried next round
                 logger.exception("store client %s: remount failed", self.client_id)
 

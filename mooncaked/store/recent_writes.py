@@ -4,9 +4,10 @@ The master tells a DRAM segment's owner what was committed there in batches (dra
 to JOURNAL_FLUSH_S after the commit; a leader killed in between would leave the owner unaware of an
 object the writer was told is stored, and a new leader rebuilt from the owners' remounts would not
 know it. A put on the writer's own DRAM is journaled by the writer itself at commit (writes.py);
-for a put on another's DRAM the writer keeps its record here for KEEP_S and, when the leader
-changes, re-reports it (`ReportWrites`); the new master takes it only into free space, and every
-read checks the checksum, so a stale record can cost a miss, never wrong bytes.
+for a put on another's DRAM the writer keeps its record here for KEEP_S (longer while the master
+may be gone: master_watch.py) and, when a new master or leader answers, re-reports it
+(`ReportWrites`); the new master takes it only into free space, and every read checks the
+checksum, so a stale record can cost a miss, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ class RecentWrites:
         self.keep_s = keep_s
         self._clock = clock
         self._writes: deque[Write] = deque()
+        self.frozen = False  # the master may be gone: nothing ages out until it is known (master_watch.py)
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.frozen = False
 
     def __len__(self) -> int:
         return len(self._writes)
@@ -58,5 +66,5 @@ class RecentWrites:
         self._writes = deque(w for w in self._writes if w.segment != segment)
 
     def _prune(self, now: float) -> None:
-        while self._writes and now - self._writes[0].at > self.keep_s:
+        while not self.frozen and self._writes and now - self._writes[0].at > self.keep_s:
             self._writes.popleft()
