@@ -122,3 +122,36 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
     time.sleep(0.5)
     leftovers = [pid for pid in children if _running(pid)]
     assert not leftovers, f"children outlived the `all` process: {leftovers}"
+
+
+def test_ctrl_c_stops_the_cluster_in_order_and_quietly(tiny_model_factory, tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group, every child and the engines'
+    transfer I/O processes included. Only the parent may act on it: engines drain and deregister while the
+    conductor and the store still answer, then those stop; nothing prints a traceback or a warning."""
+    _, folder = tiny_model_factory("llama")
+    conductor = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") and k != "NOTIFY_SOCKET"}
+    env.update(MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB", MOONCAKED_HEARTBEAT_INTERVAL_S="0.3")
+    log_path = tmp_path / "all.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
+                                 "--listen", conductor, "--http", "127.0.0.1:0", "--log-level", "INFO"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _printed(log_path, proc, r"mooncaked all: cluster ready")
+        assert len(_grpc_generate(conductor)) == 4  # a request's KV went through the transfer I/O processes
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the process group, not the parent alone
+        assert proc.wait(90) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    lines = text.splitlines()
+    bad = [ln for ln in lines if "Traceback" in ln or " WARNING " in ln or " ERROR " in ln]
+    assert not bad, "stopping was not quiet:\n" + "\n".join(bad) + "\n--- log tail ---\n" + text[-4000:]
+
+    def at(pattern: str) -> int:
+        return next(i for i, ln in enumerate(lines) if re.search(pattern, ln))
+
+    engines_stopped = max(at(r"prefill-\S+ stopped"), at(r"decode-\S+ stopped"))
+    assert engines_stopped < at(r"store-\S+ stopping"), text[-4000:]

@@ -97,6 +97,11 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
 def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
     from mooncaked.cli import run_role
 
+    # a process group of its own: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches the
+    # parent alone, which stops the children in order (engines drain and deregister while the conductor
+    # and the store still answer); every child still follows its parent (cli._watch_parent)
+    os.setpgid(0, 0)
+
     # only the `all` process speaks to systemd; the conductor tells it (``notify``) when it accepts
     if notify:
         os.environ["NOTIFY_SOCKET"] = notify

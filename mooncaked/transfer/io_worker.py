@@ -151,6 +151,9 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s transfer-io[%(process)d] %(levelname)s %(message)s")
     _die_with_parent()
+    # the engine says when we end (end of stream; we die with it): a terminal's Ctrl-C reaches its whole
+    # process group, us included, while the engine drains through us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[1]))
     descriptors = socket.socket(fileno=int(argv[2]))
     descriptors.settimeout(DESCRIPTOR_TIMEOUT_S)
