@@ -119,7 +119,6 @@ class StoreClient:
         self._own_transfer = transfer is None
         self.transfer = transfer or TransferEngine(backend=config.transfer_backend, host="127.0.0.1", port=0,
                                                    token=self.security.token)
-        self._channel: grpc.aio.Channel | MasterLink | None = None
         self._link: MasterLink | None = None  # where the master (the leader, under HA) is
         self.stub: store_pb2_grpc.StoreMasterStub | None = None
         self.dram: DramSegment | None = None
@@ -184,9 +183,9 @@ class StoreClient:
         if cfg.lmdb_bytes and self.lmdb is None:
             loop = asyncio.get_running_loop()
             self.lmdb = await loop.run_in_executor(self._lmdb_thread, LmdbTier, cfg.lmdb_path, cfg.lmdb_bytes)
-        if self._channel is None:
+        if self._link is None:
             # one master: a plain stub on one channel; masters under HA: the link follows the leader
-            self._link = self._channel = MasterLink(cfg.master, self.security, CHANNEL_OPTIONS + RECONNECT_OPTIONS)
+            self._link = MasterLink(cfg.master, self.security, CHANNEL_OPTIONS + RECONNECT_OPTIONS)
             self.stub = self._link.stub
 
             def leader_moved(_address: str) -> None:  # remount there now, and reopen the fast path there
@@ -214,10 +213,11 @@ class StoreClient:
             self.getter = Getter(cfg, self.calls, self._reader, self.staging, self._hints, self._behind,
                                  self._owner_links, self._indexes, self._shm_host, self._own_key_server)
         owner = self.owner_server
+        assert self._watch is not None
         self.mounts = Mounts(cfg.client_id, self.stub, self.transfer, self.dram, self.lmdb, cfg.rpc_timeout_s,
                              self._lmdb_thread, self.journal, remounted=self._report_soon,
                              changing=self._master_changing, window=owner.window if owner else None,
-                             unreachable=self._watch.suspect if self._watch else lambda: None,
+                             unreachable=self._watch.suspect,
                              key_server=owner.address if owner else "")
         await self.mounts.mount_all()
         if self.dram is None and self.lmdb is None:
@@ -271,8 +271,8 @@ class StoreClient:
             await self.mounts.unmount_all()
         if self.calls is not None:
             self.calls.close()
-        if self._channel is not None:
-            await self._channel.close()
+        if self._link is not None:
+            await self._link.close()
         if self.lmdb is not None:  # after any LMDB work still running in its thread
             await asyncio.get_running_loop().run_in_executor(self._lmdb_thread, self.lmdb.close)
         self._lmdb_thread.shutdown(wait=False)
@@ -334,17 +334,16 @@ class StoreClient:
         if self.worker is not None:
             self.worker.drop_queued()
 
-    def _report_soon(self) -> asyncio.Task | None:
+    def _report_soon(self) -> None:
         """The master changed (a new leader, or a restart): re-report recent writes, once at a time."""
         if len(self.recent_writes) and (self._reporting is None or self._reporting.done()):
             self._reporting = spawn(self.report_recent_writes(), f"store-report-{self.config.client_id}")
-        return self._reporting
 
     async def _report_now(self) -> None:
         """Re-report the recent writes now (master_watch.py), or wait for the re-report under way."""
-        task = self._report_soon()
-        if task is not None:
-            await asyncio.shield(task)
+        self._report_soon()
+        if self._reporting is not None:
+            await asyncio.shield(self._reporting)
 
     async def report_recent_writes(self, for_s: float = KEEP_S) -> None:
         """After a leader change: re-report our recent puts on other clients' DRAM (recent_writes.py),

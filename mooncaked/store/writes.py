@@ -81,7 +81,7 @@ class Writer:
         size = nbytes_of(data)
         if size <= 0 or not self.staging.fits([size]):
             return None  # the batch path says what is wrong
-        shape = Shape(size, self.config.replicas, self.own_dram if self.config.prefer_local else "")
+        shape = self._shape(size)
         place = self.ahead.take(shape)
         reserving = None if place is not None else await self.ahead.reserve_for_a_put(shape)
         # a caller's bytes are checksummed as they are: while the master reserves, if it does; else
@@ -147,6 +147,10 @@ class Writer:
                                       lambda e: self._write_failed(key, place, e))
         return True
 
+    def _shape(self, size: int) -> Shape:
+        """The stock of places reserved ahead a put of `size` bytes takes from."""
+        return Shape(size, self.config.replicas, self.own_dram if self.config.prefer_local else "")
+
     async def _write_failed(self, key: str, place: Place, error: BaseException) -> None:
         logger.warning("store put of %s failed on the data plane (%s); giving its place back", key, error)
         await self.ahead.give_back([place.reservation])
@@ -161,11 +165,6 @@ class Writer:
         self._committed(key, place.replicas, size, csum)
         metrics.client_op("put", "ok").inc()
         metrics.client_bytes("put").inc(size)
-
-    async def flush(self) -> list[str]:
-        """Wait for the commits still in flight of puts made with `commit_behind`; returns the keys whose
-        commit failed since the last flush (put() said True, but they are not stored)."""
-        return await self.behind.flush()
 
     async def _write_place(self, data: Data, size: int, place: Place, csum: int | None) -> int:
         """Write one object into every copy of its place; returns its checksum (`csum` when given).
@@ -233,14 +232,12 @@ class Writer:
         """The items that find a place reserved ahead, written and committed pipelined (see
         _write_and_commit); None for the others (the PutStart path takes them)."""
         results: list[bool | None] = [None] * len(items)
-        pref = self.own_dram if self.config.prefer_local else ""
         sizes = [nbytes_of(d) for _, d in items]
         taken: list[tuple[int, Place]] = []
         for i, size in enumerate(sizes):
             if size <= 0 or not self.staging.fits([size]):
                 continue  # the PutStart path says what is wrong
-            shape = Shape(size, self.config.replicas, pref)
-            place = self.ahead.take(shape)
+            place = self.ahead.take(self._shape(size))
             if place is not None:
                 taken.append((i, place))
         for chunk in self._chunks([sizes[i] for i, _ in taken]):
