@@ -31,8 +31,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
 ]
 # for channels to a peer that may restart (the store master): found again within a second, not after
-# gRPC's default reconnect backoff (up to 2 minutes)
+# gRPC's default reconnect backoff (up to 2 minutes); and a connection of the channel's own: by default a
+# process's channels to one address share one, with its backoff, so a client started just after the peer
+# came back failed its first call with the old connection's "Connection refused"
 RECONNECT_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),

@@ -15,6 +15,7 @@ from mooncaked.store import Policy
 from mooncaked.store.errors import InvalidArgument, StoreUnavailable
 from mooncaked.store.master import StoreMaster
 from mooncaked.store.recent_writes import RecentWrites
+from mooncaked.store.removed_keys import RemovedKeys
 from mooncaked.store.records import Endpoint, ObjectRecord, SegmentSpec
 
 KiB = 1024
@@ -39,6 +40,38 @@ def test_the_master_takes_reported_writes_into_free_space_only():
     assert m.report_writes("writer", "gone/dram", [ObjectRecord("x", 0, 10, 1)]) == (0, [], False)
     with pytest.raises(InvalidArgument, match="caller's own"):
         m.report_writes("owner", "owner/dram", [ObjectRecord("y", 20000, 10, 1)])
+
+
+def test_a_key_removed_at_the_new_master_is_not_brought_back_by_a_late_report():
+    """A Remove of a key the master does not know yet (its owner has not remounted, its writer not
+    re-reported) still counts: neither report brings it back while the note lasts; a new commit of
+    the key clears the note."""
+    now = [0.0]
+    m = StoreMaster(Policy(persist=False), clock=lambda: now[0])
+    m.mount("writer", _dram("dram", "writer"))
+    assert m.remove(["gone", "lmdb-gone", "again"]) == 0  # nothing known yet
+    m.mount("owner", _dram("dram", "owner"), [ObjectRecord("gone", 0, 1024, 7), ObjectRecord("kept", 1024, 1024, 8)])
+    assert set(m.objects) == {"kept"}
+    m.mount("owner", SegmentSpec("owner/lmdb", "lmdb", 1 << 20, Endpoint("", "", "lmdb", "", "")),
+            [ObjectRecord("lmdb-gone", 0, 1024, 9)])
+    assert "lmdb-gone" not in m.objects
+    assert m.report_writes("writer", "owner/dram", [ObjectRecord("gone", 8192, 1024, 7)])[:2] == (0, ["gone"])
+    m.put_start("again", 1024, 3)
+    m.put_end("again")
+    m.remove(["again"])  # the owner's journal of this object may come back at a remount: refused
+    assert m.report_writes("writer", "owner/dram", [ObjectRecord("again", 16384, 1024, 3)])[:2] == (0, ["again"])
+    m.put_start("again", 1024, 4)
+    m.put_end("again")  # committed anew: its own record is what a remount brings from now on
+    assert not m.removed.holds("again")
+    now[0] = 1000.0  # long after: a report of "gone" is taken like any other
+    assert m.report_writes("writer", "owner/dram", [ObjectRecord("gone", 32768, 1024, 7)])[:2] == (1, [])
+
+
+def test_removed_keys_are_bounded_by_count_oldest_first():
+    r = RemovedKeys(keep_s=60.0, max_keys=3, clock=lambda: 0.0)
+    r.note(["a", "b", "c"])
+    r.note(["a", "d"])  # "a" again is the newest; "b" is the oldest now and goes
+    assert [k for k in "abcd" if r.holds(k)] == ["a", "c", "d"] and len(r) == 3
 
 
 def test_recent_writes_are_kept_for_a_while_and_settled_per_segment():
@@ -112,6 +145,44 @@ async def test_a_writer_that_lends_nothing_re_reports_after_a_restart_longer_tha
     finally:
         await writer.close()
         await owner.close()
+        if runner2 is not None:
+            await runner2.stop(0)
+
+
+async def test_a_key_removed_before_the_writer_re_reports_stays_removed():
+    """The master restarts; another client removes one of the writer's last puts at the new master
+    before the writer's re-report arrives: the report brings the others back, not that one."""
+    runner, addr = await start(persist=False)
+    port = int(addr.rsplit(":", 1)[1])
+    owner = await client(addr, "owner", dram_bytes=1024 * KiB)
+    writer = await client(addr, "writer")
+    removed = asyncio.Event()
+    report = writer._watch.report
+
+    async def report_after_the_remove() -> None:
+        await removed.wait()
+        await report()
+
+    writer._watch.report = report_after_the_remove
+    runner2 = remover = None
+    try:
+        runner.service.journal = lambda *a: None  # the master dies before any journal batch goes out
+        data = {f"r/{i}": os.urandom(16 * KiB) for i in range(4)}
+        assert all(await writer.batch_put(list(data.items())))
+        await runner.stop(0)
+        runner2, _ = await start(port=port, persist=False)
+        remover = await client(addr, "remover")
+        assert await remover.remove(["r/0"]) == 0  # unknown to the new master yet
+        removed.set()
+        kept = {k: v for k, v in data.items() if k != "r/0"}
+        await _all_back(writer, kept)
+        assert len(runner2.service.master.removed) == 1
+        assert await writer.batch_exist(list(data)) == [False, True, True, True]
+        assert await writer.get("r/0") is None
+    finally:
+        for c in (remover, writer, owner):
+            if c is not None:
+                await c.close()
         if runner2 is not None:
             await runner2.stop(0)
 

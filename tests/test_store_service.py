@@ -19,8 +19,6 @@ KiB = 1024
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -275,6 +273,30 @@ async def test_a_client_whose_first_start_failed_starts_on_a_later_try():
     finally:
         await c.close()
         await runner.stop()
+
+
+async def test_a_client_started_just_after_a_master_restart_finds_it_at_once():
+    """Another client of this process found the master gone a moment ago and waits out its reconnect
+    backoff: a new client's first call is not failed by that connection's last error (rpc.py)."""
+    from mooncaked.store import StoreUnavailable
+
+    runner, addr = await start()
+    port = int(addr.rsplit(":", 1)[1])
+    early = await client(addr, "early", fast_path=False)
+    runner2 = late = None
+    try:
+        await runner.stop(0)
+        with pytest.raises(StoreUnavailable):
+            await early.exist("k")  # its connection is now in backoff
+        runner2, _ = await start(port=port)
+        late = await client(addr, "late", dram_bytes=256 * KiB)  # a Describe at once: no retry here
+        assert await late.put("k", b"v") and await late.get("k") == b"v"
+    finally:
+        for c in (late, early):
+            if c is not None:
+                await c.close()
+        if runner2 is not None:
+            await runner2.stop(0)
 
 
 async def test_a_client_that_never_reads_its_tasks_stream_is_dropped_not_buffered_forever():

@@ -42,6 +42,8 @@ from mooncaked.store.records import (
     DROPPED_PLACE_HOLD_S, FRESH_DRAM_HOLD_S, MAX_KEY_BYTES, MEDIA, ObjectMeta, ObjectRecord, ObjectView, Placed, Policy, PoolStats,
     PromotionPending, PutPlan, RESERVED_PREFIX, Segment, SegmentSpec, SegmentUse, Task,
 )
+from mooncaked.store.removed_keys import RemovedKeys
+
 
 __all__ = ["MasterHooks", "NoHooks", "StoreMaster", "MAX_RESERVE"]
 
@@ -71,6 +73,7 @@ class StoreMaster:
         self._lease_ids = itertools.count(random.SystemRandom().randrange(1, 1 << 62))
         self.hits = self.misses = self.evictions = self.demotions = self.promotions = 0
         self.fresh_dram_from = 0.0  # clock(): no new DRAM place before (hold_dram_places)
+        self.removed = RemovedKeys(clock=clock)  # a late remount or re-report must not bring these back
 
     def hold_dram_places(self, seconds: float = FRESH_DRAM_HOLD_S) -> None:
         """Place nothing new on DRAM for `seconds`: a leader that just took over does not know which
@@ -107,8 +110,9 @@ class StoreMaster:
         known = len(self.objects)
         fresh: list[str] = []  # objects new to the master: announced together
         persist = seg.medium == "dram" and self.policy.persist and cat.tier_of(client_id, "lmdb") is not None
+        removed = self.removed
         for rec in records:
-            adopted = cat.adopt(seg, rec, fresh)
+            adopted = cat.adopt(seg, rec, fresh) if not (removed and removed.holds(rec.key)) else None
             if adopted is None:
                 rejected.append(rec.key)
                 continue
@@ -168,7 +172,8 @@ class StoreMaster:
         accepted, rejected, fresh = 0, [], []
         persist = self.policy.persist and cat.tier_of(seg.owner, "lmdb") is not None
         for rec in records:
-            adopted = cat.adopt(seg, rec, fresh) if rec.key not in self.objects else None
+            adopted = (cat.adopt(seg, rec, fresh)
+                       if rec.key not in self.objects and not self.removed.holds(rec.key) else None)
             if adopted is None:
                 rejected.append(rec.key)
                 continue
@@ -291,6 +296,7 @@ class StoreMaster:
             raise FailedPrecondition(f"every place reserved for {obj.key!r} was lost (its segment's client died); "
                                      "put it again")
         cat.commit(obj, checksum)
+        self.removed.clear(obj.key)  # this object's own record is what a later report brings
         for r in list(obj.replicas):  # (a persist adds an LMDB copy)
             seg = self.segments.get(r.segment)
             if seg is not None and seg.medium == "dram":
@@ -429,7 +435,10 @@ class StoreMaster:
         return n
 
     def remove(self, keys: Iterable[str]) -> int:
-        """Drop objects (a leased copy's bytes stay reserved until its lease ends)."""
+        """Drop objects (a leased copy's bytes stay reserved until its lease ends). Every key named is
+        noted, known or not: a remount or re-report arriving later must not bring it back."""
+        keys = list(keys)
+        self.removed.note(keys)
         removed = 0
         for key in keys:
             obj = self.objects.get(key)

@@ -97,8 +97,8 @@ class Mounts:
                                     reply.objects_accepted, len(reply.rejected_keys))
                     continue
                 if reply.rejected_keys:
-                    logger.warning("master rejected %d of the %d objects on LMDB (conflicting copies); deleting them",
-                                   len(reply.rejected_keys), len(records))
+                    logger.warning("master rejected %d of the %d objects on LMDB (conflicting copies, or removed "
+                                   "while it was away); deleting them", len(reply.rejected_keys), len(records))
                     await loop.run_in_executor(self._lmdb_thread, self._lmdb.delete_many, list(reply.rejected_keys))
                 logger.info("LMDB tier %s re-reported %d objects", spec.name, reply.objects_accepted)
         except grpc.aio.AioRpcError as e:
