@@ -272,6 +272,41 @@ async def test_a_dead_clients_segments_are_unmounted_and_its_objects_dropped(mas
         await c.close()
 
 
+async def test_an_owner_killed_mid_persist_brings_back_what_reached_lmdb_intact(master, tmp_path):
+    """kill -9 of an engine while puts land on its DRAM and the master's persists to its LMDB tier are
+    under way: what only its DRAM held is gone with it (volatile), but every object the master had on
+    LMDB before the kill is back when the engine starts again on the same folder, with its own bytes."""
+    cfg = dict(dram_bytes=16 * 1024 * KiB, lmdb_path=str(tmp_path / "lmdb"), lmdb_bytes=64 * 1024 * KiB)
+    owner = Agent(master.address, "P1", **cfg)
+    c = await reader(master.address, rpc_timeout_s=2.0, no_room_retry_s=0.2)
+    data = blobs(192)
+    keys = list(data)
+
+    async def put_in_batches() -> None:
+        for s in range(0, len(keys), 16):
+            if not all(await c.batch_put([(k, data[k]) for k in keys[s:s + 16]])):
+                return  # the owner is gone
+            await asyncio.sleep(0.02)
+
+    puts = asyncio.create_task(put_in_batches())
+    try:
+        await wait_for(lambda: _lmdb_at_least(c, 16), what="the first persists")
+        on_lmdb = await lmdb_objects(c)
+        owner.kill()
+        await asyncio.gather(puts, return_exceptions=True)  # those after the kill fail: no room, or the owner gone
+        await wait_for(lambda: _no_segments(c), timeout=6, what="the dead client's segments to go")
+        assert not any(await c.batch_exist(keys))
+
+        owner = Agent(master.address, "P1", **cfg)
+        back = [k for k, there in zip(keys, await c.batch_exist(keys)) if there]
+        assert len(back) >= on_lmdb > 0, f"{len(back)} back, {on_lmdb} were on LMDB at the kill"
+        assert await c.batch_get(back) == [data[k] for k in back], "what came back has its own bytes"
+    finally:
+        puts.cancel()
+        await c.close()
+        owner.close()
+
+
 async def _no_segments(c: StoreClient) -> bool:
     return not (await c.pool_stats()).segments
 

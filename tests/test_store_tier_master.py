@@ -44,6 +44,30 @@ def test_a_committed_dram_object_is_persisted_and_then_leaves_dram_for_free():
     assert ("stored", "k0", "lmdb") in hooks.events and not any(e[0] == "removed" for e in hooks.events)
 
 
+def _objects(m) -> dict[str, int]:
+    """What a status shows per segment, checked against the copies the master holds complete."""
+    stats = {s.name: s.objects for s in m.stats().segments}
+    for name in stats:
+        assert stats[name] == sum(1 for o in m.objects.values() for r in o.replicas if r.segment == name and r.complete)
+    return stats
+
+
+def test_a_segment_counts_complete_copies_not_places_or_copies_being_written():
+    """`objects` per segment (PoolStats, mooncakectl status, the metric) is what readers can get there:
+    not a put in progress, a place reserved ahead, or a persist ordered but not done."""
+    m, _, hooks = make()
+    m.mount("A", lmdb("a-lmdb"))
+    m.mount("A", dram("a", 64 * KiB))
+    m.put_start("k", 4 * KiB, 7)
+    m.reserve(4 * KiB, 3)
+    assert _objects(m) == {"a-lmdb": 0, "a": 0}
+    m.put_end("k")
+    assert [t.kind for t in hooks.tasks] == ["persist"] and _objects(m) == {"a-lmdb": 0, "a": 1}
+    assert settle(m, hooks, "persist") == 1 and _objects(m) == {"a-lmdb": 1, "a": 1}
+    m.remove(["k"])
+    assert _objects(m) == {"a-lmdb": 0, "a": 0}
+
+
 def test_a_failed_persist_keeps_the_dram_copy():
     m, _, hooks = make()
     m.mount("A", lmdb("a-lmdb"))

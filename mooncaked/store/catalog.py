@@ -140,6 +140,7 @@ class Catalog:
             return None
         rep = Replica(seg.name, rec.offset if seg.medium == "dram" else 0, rec.size, True)
         seg.keys[key] = None
+        seg.held += 1
         if obj is None:
             obj = self.objects[key] = ObjectMeta(key, rec.size, rec.checksum, [rep], True, self.clock(),
                                                  medium=seg.medium)
@@ -204,7 +205,9 @@ class Catalog:
             obj.checksum = checksum
         obj.committed = True
         for r in obj.replicas:
-            r.complete = True
+            if not r.complete:
+                r.complete = True
+                self._held(r, 1)
         self.pending.pop(obj.key, None)
         self.touch_lru(obj)
         metrics.OBJECTS.inc()
@@ -231,11 +234,18 @@ class Catalog:
 
     def complete(self, obj: ObjectMeta, rep: Replica) -> None:
         """A tier move wrote this copy: readers may use it."""
-        rep.complete = True
+        if not rep.complete:
+            rep.complete = True
+            self._held(rep, 1)
         self._announce(obj)
         seg = self.segments.get(rep.segment)
         if seg is not None and seg.medium == "dram":
             self.landed(obj, rep, seg)
+
+    def _held(self, rep: Replica, by: int) -> None:
+        seg = self.segments.get(rep.segment)
+        if seg is not None:
+            seg.held += by
 
     def drop_copy(self, obj: ObjectMeta, rep: Replica, send_delete: bool = True, hold_until: float = 0.0) -> None:
         """Remove one copy (a leased DRAM copy's bytes stay reserved until the lease ends, and a DRAM place
@@ -245,6 +255,7 @@ class Catalog:
         seg = self.segments.get(rep.segment)
         if seg is not None:
             seg.keys.pop(obj.key, None)
+            seg.held -= rep.complete
             if seg.medium == "dram" and rep.complete:
                 self.hooks.journal(seg.owner, obj.key, rep.offset, 0, 0)
             now = self.clock()

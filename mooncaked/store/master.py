@@ -519,7 +519,7 @@ class StoreMaster:
         self.hooks.client_dropped(client_id)
 
     def stats(self) -> PoolStats:
-        segs = [SegmentUse(s.name, s.owner, s.medium, s.capacity, s.used, len(s.keys))
+        segs = [SegmentUse(s.name, s.owner, s.medium, s.capacity, s.used, s.held)
                 for s in self.segments.values()]
         return PoolStats(segs, sum(o.committed for o in self.objects.values()), self.hits, self.misses,
                          self.evictions, self.demotions, self.promotions, self.epoch, len(self.clients))

@@ -45,10 +45,10 @@ class SegmentGauges:
         families = [GaugeMetricFamily(name, doc, labels=["segment", "medium"]) for name, doc in (
             ("mooncaked_store_segment_capacity_bytes", "Bytes a segment lends to the pool."),
             ("mooncaked_store_segment_used_bytes", "Bytes of a segment holding objects."),
-            ("mooncaked_store_segment_objects", "Object copies on a segment."))]
+            ("mooncaked_store_segment_objects", "Complete object copies on a segment (readers can get them)."))]
         for master in list(self._masters):
             for seg in list(master.segments.values()):
-                for family, value in zip(families, (seg.capacity, seg.used, len(seg.keys))):
+                for family, value in zip(families, (seg.capacity, seg.used, seg.held)):
                     family.add_metric([seg.name, seg.medium], value)
         yield from families
 

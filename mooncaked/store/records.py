@@ -107,8 +107,9 @@ class Segment:
     capacity: int
     endpoint: Endpoint
     alloc: ExtentAllocator | ByteBudget
-    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    keys: OrderedDict[str, None] = field(default_factory=OrderedDict)  # with copies being written
     leaving_bytes: int = 0  # bytes of copies being demoted away (freed when the task ends)
+    held: int = 0  # complete copies here (what readers can get): the objects a status shows
 
     @property
     def used(self) -> int:
