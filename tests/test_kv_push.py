@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mooncaked.engine.kv_cache import KVLayout
-from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.engine.step_records import StepSeq
 from mooncaked.instance.kv_push import KV_REGION, SMALL_STEP_TOKENS, KVPush
 from mooncaked.transfer import TransferEngine
 from mooncaked.transfer import io_transport

@@ -27,6 +27,7 @@ import torch
 
 from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, parse_dtype
+from mooncaked.engine.driver import Driver
 from mooncaked.engine.engine_thread import new_engine_thread
 from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
@@ -37,8 +38,8 @@ from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
 from mooncaked.engine.sequence import Sequence
 from mooncaked.engine.stage import PipelineStage
+from mooncaked.engine.step_records import EngineStats, HiddenSink, HiddenSource, StepHook, StepRecord, StepSeq
 from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from mooncaked.tasks import log_task_failure
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +49,6 @@ Sink = Callable[[Output], None]
 
 class EngineStoppedError(RuntimeError):
     """The engine's driver died: it takes no more requests (its process should be restarted)."""
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
-    num_cached_blocks: int
-    prefix_hit_blocks: int
-    prefix_query_blocks: int
-    prefill_tokens_computed: int
-    prompt_tokens_cached: int
-    decode_tokens: int
-    num_preemptions: int
-    steps: int
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step's measured time and shape (what a scheduler fits its time models on)."""
-
-    prefill_tokens: int  # new tokens of prefilling sequences
-    decodes: int  # sequences decoding one token
-    decode_context: int  # tokens in the cache across the decoding sequences
-    seconds: float
 
 
 @dataclass
@@ -93,26 +68,6 @@ class _FirstToken:
     top: TopLogprobs | None
 
 
-@dataclass
-class StepSeq:
-    """What a layer hook needs to know about one sequence in the running step."""
-
-    request_id: str
-    block_table: list[int]
-    start: int  # first token position computed in this step
-    num_tokens: int  # tokens computed in this step
-    finishes_prompt: bool
-    last_layer: int = -1  # the last of this engine's layers the step runs for it (its hook's last call)
-
-
-StepHook = Callable[[int, list[StepSeq]], None]
-HiddenSource = Callable[[str, int, int], torch.Tensor]
-"""``(request_id, start, n) -> rows``: a pipeline stage's input hidden states of tokens [start, start+n)."""
-HiddenSink = Callable[[str, int, torch.Tensor], None]
-"""``(request_id, start, rows)``: a pipeline stage's output hidden states, for the next stage."""
-
-# a pipeline stage with nothing to compute until its input arrives waits at most this long for a wake
-STARVED_WAIT_S = 0.05
 # the finish_reason of a pipeline stage (not the last) that computed its layers of the whole prompt
 PREFILLED = "prefilled"
 
@@ -158,16 +113,14 @@ class Engine:
         # a pipeline stage's input (not the first stage) and output (not the last); engine thread
         self.hidden_source: HiddenSource | None = None
         self.hidden_sink: HiddenSink | None = None
-        self._starved = False  # the last step found only pipeline stages waiting for input
+        self.starved = False  # the last step found only pipeline stages waiting for input (driver.py)
         self._held: dict[str, Sequence] = {}
         self.step_log: collections.deque[StepRecord] = collections.deque(maxlen=512)
         self._requests: dict[str, _Request] = {}
         self._inbox: collections.deque[_Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
         self._step_lock = threading.Lock()
-        self._executor = executor
-        self._driver: asyncio.Task | None = None
-        self._wake: asyncio.Event | None = None
+        self._driver = Driver(self, executor, self._driver_died)
         self._prefill_tokens = 0
         self._cached_tokens = 0
         self._decode_tokens = 0
@@ -342,8 +295,7 @@ class Engine:
         return _Request(seq, detok, sink or (lambda out: None))
 
     def _wake_if_driven(self) -> None:
-        if self._wake is not None:
-            self._wake_driver()
+        self._driver.wake()
 
     # -- KV handed between instances (run these on the engine thread: see ``call``) ---------
     def reserve(self, num_tokens: int) -> list[int] | None:
@@ -368,7 +320,7 @@ class Engine:
         Works after the driver died too (bookkeeping such as giving blocks back)."""
         loop = asyncio.get_running_loop()
         self.start_driver(loop)
-        return await loop.run_in_executor(self._executor, fn, *args)
+        return await loop.run_in_executor(self._driver.executor, fn, *args)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away); its blocks are freed at the next step. Thread-safe."""
@@ -414,7 +366,7 @@ class Engine:
             if seq.exact_prefix:  # its group computes from one agreed prefix: it cannot start over alone
                 self._fail(self._requests[seq.request_id], "preempted for KV room, which a pipeline stage cannot "
                                                            "recompute", outputs)
-        self._starved = not plan.scheduled and not outputs and self.scheduler.awaiting_input()
+        self.starved = not plan.scheduled and not outputs and self.scheduler.awaiting_input()
         if not plan.scheduled:
             return outputs
         hook = None
@@ -629,25 +581,16 @@ class Engine:
 
     def start_driver(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Step the engine in a background thread for as long as ``loop`` runs (daemons call this once;
-        ``stream`` and ``call`` do it on demand)."""
+        ``stream`` and ``call`` do it on demand: driver.py)."""
         loop = loop or asyncio.get_running_loop()
-        if self._executor is None:
-            self._executor = new_engine_thread()
         if self.driver_failure is not None:
+            if self._driver.executor is None:  # ``call`` still runs bookkeeping on the engine thread
+                self._driver.executor = new_engine_thread()
             return  # a dead engine stays dead: its owner restarts the process
-        if self._driver is not None and not self._driver.done() and self._driver.get_loop() is loop:
-            return
-        self._wake = asyncio.Event()
-        self._driver_loop = loop
-        self._driver = loop.create_task(self._drive(), name="engine-driver")
-        self._driver.add_done_callback(log_task_failure)
-        self._driver.add_done_callback(self._driver_done)
+        self._driver.start(loop)
 
-    def _driver_done(self, task: asyncio.Task) -> None:
-        """The driver ended: by ``close`` or its loop's end (cancelled), or it died."""
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
+    def _driver_died(self, exc: BaseException) -> None:
+        """The driver died (a bug the step's own error handling did not catch): fail every waiter."""
         self.driver_failure = exc
         log.critical("the engine driver died (%r); failing %d requests", exc, len(self._requests))
         why = f"the engine stopped: {exc!r}"
@@ -662,35 +605,8 @@ class Engine:
         if self.on_driver_death is not None:
             self.on_driver_death(exc)
 
-    def _wake_driver(self) -> None:
-        loop = self._driver_loop
-        if loop.is_closed():
-            return
-        loop.call_soon_threadsafe(self._wake.set)  # type: ignore[union-attr]
-
-    async def _drive(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wake is not None
-        while True:
-            if not self.has_work():
-                self._wake.clear()
-                if not self.has_work():
-                    await self._wake.wait()
-                continue
-            self._wake.clear()  # a wake during the step (a stage's input arriving) stays set
-            await loop.run_in_executor(self._executor, self.step)
-            if self._starved:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), STARVED_WAIT_S)
-                except asyncio.TimeoutError:
-                    pass
-
     def close(self) -> None:
-        if self._driver is not None and not self._driver.done():
-            self._driver.cancel()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        self._driver.close()
 
     # -- introspection --------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -709,4 +625,3 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
         )
-

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from mooncaked.engine.kv_cache import KVLayout
-from mooncaked.engine.llm_engine import StepSeq
+from mooncaked.engine.step_records import StepSeq
 from mooncaked.instance import metrics
 from mooncaked.instance.write_fence import WriteFence
 from mooncaked.transfer import TransferEngine, TransferError, TransferOp

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from mooncaked.conductor.engine_link import (ABORTED, CANCELLED, DEADLINE, INVALID, POOL, PRECONDITION, UNAVAILABLE,
                                              EngineError, PrefillPlan, PrefillResult, Reservation)
 from mooncaked.engine import Output, RequestError, SamplingParams
-from mooncaked.engine.llm_engine import EngineStoppedError, StepSeq
+from mooncaked.engine.llm_engine import EngineStoppedError
+from mooncaked.engine.step_records import StepSeq
 from mooncaked.instance import metrics
 from mooncaked.instance.kv_push import KVPush
 from mooncaked.instance.prefix_fetch import Prepared, PrefixFetch
