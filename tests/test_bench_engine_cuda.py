@@ -54,3 +54,12 @@ def test_gpu_bench_reports_tokens_and_roofline(tiny_model_factory):
         assert r["tok_s"] > 0 and r["decode_steps"] > 0
         if res["peak_gbps"]:
             assert 0 < r["roofline_fraction"] <= 1.0, r
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: the bench runs (the test above)")
+def test_the_gpu_bench_says_why_it_cannot_run_without_cuda():
+    """On a machine without CUDA, `--device cuda` names what is missing: no traceback."""
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_engine.py"), "--device", "cuda", "--quick",
+                        "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "without CUDA" in r.stderr or "no CUDA" in r.stderr, r.stderr

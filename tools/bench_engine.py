@@ -196,7 +196,12 @@ def main() -> int:
     if args.device != "cpu":
         from bench_engine_cuda import bench_cuda
 
-        return bench_cuda(args)
+        from mooncaked.engine.config import ConfigError
+        try:
+            return bench_cuda(args)
+        except ConfigError as e:  # no such device here: say so, not a traceback
+            print(f"bench_engine: {e}", file=sys.stderr)
+            return 2
     args.batches = args.batches or [1, 16]
     if args.profile:
         return profile(args)
