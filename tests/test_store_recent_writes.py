@@ -44,8 +44,8 @@ def test_the_master_takes_reported_writes_into_free_space_only():
 
 def test_a_key_removed_at_the_new_master_is_not_brought_back_by_a_late_report():
     """A Remove of a key the master does not know yet (its owner has not remounted, its writer not
-    re-reported) still counts: neither report brings it back while the note lasts; a new commit of
-    the key clears the note."""
+    re-reported) still counts: neither report brings it back while the note lasts; after a new commit
+    of the key, reports of that new object are taken and those of the removed one still refused."""
     now = [0.0]
     m = StoreMaster(Policy(persist=False), clock=lambda: now[0])
     m.mount("writer", _dram("dram", "writer"))
@@ -62,7 +62,10 @@ def test_a_key_removed_at_the_new_master_is_not_brought_back_by_a_late_report():
     assert m.report_writes("writer", "owner/dram", [ObjectRecord("again", 16384, 1024, 3)])[:2] == (0, ["again"])
     m.put_start("again", 1024, 4)
     m.put_end("again")  # committed anew: its own record is what a remount brings from now on
-    assert not m.removed.holds("again")
+    assert not m.removed.holds("again", 4) and m.removed.holds("again", 3)
+    m.catalog.forget(m.objects["again"])  # (as an eviction does) then late reports of both versions
+    assert m.report_writes("writer", "owner/dram", [ObjectRecord("again", 16384, 1024, 3)])[:2] == (0, ["again"])
+    assert m.report_writes("writer", "owner/dram", [ObjectRecord("again", 16384, 1024, 4)])[:2] == (1, [])
     now[0] = 1000.0  # long after: a report of "gone" is taken like any other
     assert m.report_writes("writer", "owner/dram", [ObjectRecord("gone", 32768, 1024, 7)])[:2] == (1, [])
 
@@ -71,7 +74,7 @@ def test_removed_keys_are_bounded_by_count_oldest_first():
     r = RemovedKeys(keep_s=60.0, max_keys=3, clock=lambda: 0.0)
     r.note(["a", "b", "c"])
     r.note(["a", "d"])  # "a" again is the newest; "b" is the oldest now and goes
-    assert [k for k in "abcd" if r.holds(k)] == ["a", "c", "d"] and len(r) == 3
+    assert [k for k in "abcd" if r.holds(k, 0)] == ["a", "c", "d"] and len(r) == 3
 
 
 def test_recent_writes_are_kept_for_a_while_and_settled_per_segment():

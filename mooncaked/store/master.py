@@ -112,7 +112,7 @@ class StoreMaster:
         persist = seg.medium == "dram" and self.policy.persist and cat.tier_of(client_id, "lmdb") is not None
         removed = self.removed
         for rec in records:
-            adopted = cat.adopt(seg, rec, fresh) if not (removed and removed.holds(rec.key)) else None
+            adopted = cat.adopt(seg, rec, fresh) if not (removed and removed.holds(rec.key, rec.checksum)) else None
             if adopted is None:
                 rejected.append(rec.key)
                 continue
@@ -173,7 +173,7 @@ class StoreMaster:
         persist = self.policy.persist and cat.tier_of(seg.owner, "lmdb") is not None
         for rec in records:
             adopted = (cat.adopt(seg, rec, fresh)
-                       if rec.key not in self.objects and not self.removed.holds(rec.key) else None)
+                       if rec.key not in self.objects and not self.removed.holds(rec.key, rec.checksum) else None)
             if adopted is None:
                 rejected.append(rec.key)
                 continue
@@ -296,7 +296,7 @@ class StoreMaster:
             raise FailedPrecondition(f"every place reserved for {obj.key!r} was lost (its segment's client died); "
                                      "put it again")
         cat.commit(obj, checksum)
-        self.removed.clear(obj.key)  # this object's own record is what a later report brings
+        self.removed.committed(obj.key, obj.checksum)  # this object's record may come in a later report
         for r in list(obj.replicas):  # (a persist adds an LMDB copy)
             seg = self.segments.get(r.segment)
             if seg is not None and seg.medium == "dram":
