@@ -541,6 +541,10 @@ class WorkerConfig(RoleConfig):
             object.__setattr__(self, "transfer_listen", HostPort(self.listen.host, 0))
         if self.store_lmdb_bytes and not self.store_lmdb_path:
             raise ConfigError("store_lmdb_bytes is set but store_lmdb_path is not: say where the LMDB tier lives")
+        if self.store_lmdb_bytes and not self.store_dram_bytes and self.role != "all":  # (all: the prefills lend DRAM)
+            raise ConfigError("store_lmdb_bytes is set but store_dram_bytes is not: an engine serves its LMDB "
+                              "tier's objects by promoting them into the DRAM it lends; lend some "
+                              "(--store-dram-bytes)")
 
     @property
     def io_process(self) -> bool:
@@ -719,7 +723,8 @@ class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
     prefill_instances: int = _setting(1, _at_least(_int, 1), "prefill instances to start, each a process with "
                                       "its own ports, name and LMDB subfolder", "N")
     decode_instances: int = _setting(1, _at_least(_int, 1), "decode instances to start, each a process with its "
-                                     "own ports, name and LMDB subfolder", "N")
+                                     "own ports and name (and LMDB subfolder, when --store-dram-bytes has the "
+                                     "decodes lend DRAM)", "N")
     pipeline_stages: int = _setting(1, _at_least(_int, 1), "stages of each prefill instance: above 1 every prefill "
                                     "instance is a CPP group of this many stage processes, each holding its range "
                                     "of the layers", "N")

@@ -45,14 +45,23 @@ def _wait_ready(proc, log_path) -> None:
 
 
 def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
-    cfg = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path))
+    """An LMDB folder each, for the engines that lend DRAM (an LMDB tier's objects are served through it):
+    the prefills by default, every engine once --store-dram-bytes is set."""
+    cfg = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path), store_lmdb_bytes=1 << 26)
     children = child_configs(cfg)
     assert [c.role for c in children] == ["conductor", "store", "prefill", "prefill", "prefill", "decode", "decode"]
     engines = [c for c in children if isinstance(c, (PrefillConfig, DecodeConfig))]
     assert all(c.listen.port == 0 and c.transfer_listen.port == 0 and not c.name for c in engines)
+    assert all(c.store_dram_bytes > 0 for c in engines if c.role == "prefill")
+    assert sorted(os.path.basename(c.store_lmdb_path) for c in engines if c.store_lmdb_path) == \
+        ["prefill", "prefill-1", "prefill-2"]
+    assert [(c.store_lmdb_path, c.store_lmdb_bytes) for c in engines if c.role == "decode"] == [(None, 0)] * 2
+    lending = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path),
+                        store_lmdb_bytes=1 << 26, store_dram_bytes=1 << 26)
+    engines = [c for c in child_configs(lending) if isinstance(c, (PrefillConfig, DecodeConfig))]
     assert sorted(os.path.basename(c.store_lmdb_path) for c in engines) == \
         ["decode", "decode-1", "prefill", "prefill-1", "prefill-2"]
-    assert all(c.store_dram_bytes > 0 for c in engines if c.role == "prefill")
+    assert {c.store_lmdb_bytes for c in engines} == {1 << 26}
 
 
 def test_the_cores_are_shared_out_among_the_engines_unless_the_user_says(monkeypatch):

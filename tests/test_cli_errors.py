@@ -159,6 +159,22 @@ def test_an_engine_whose_store_never_answers_exits_with_one_line(tiny_model_fact
     assert result.returncode == 1
 
 
+def test_an_engine_whose_lmdb_folder_is_not_an_lmdb_one_exits_with_one_line(tiny_model_factory, tmp_path):
+    """--store-lmdb-path at a folder whose data.mdb is something else (another program's, a cut copy): one
+    line naming the folder and the flag, not a traceback (and no retrying as if the master were away)."""
+    _, folder = tiny_model_factory("llama")
+    lmdb_dir = tmp_path / "lmdb"
+    lmdb_dir.mkdir()
+    (lmdb_dir / "data.mdb").write_bytes(os.urandom(64 * 1024))
+    result = _mooncaked("--role", "decode", "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}",
+                        "--conductor", f"127.0.0.1:{free_port()}", "--store", f"127.0.0.1:{free_port()}",
+                        "--store-dram-bytes", "4MiB", "--store-lmdb-path", str(lmdb_dir), "--store-lmdb-bytes", "16MiB",
+                        "--join-timeout-s", "30",
+                        "--kv-cache-bytes", "4MiB", "--log-level", "WARNING", timeout=60)
+    _one_line(result, f"the LMDB tier at {lmdb_dir} (--store-lmdb-path) cannot be opened", "not an LMDB file", most=2)
+    assert result.returncode == 1
+
+
 def test_a_bad_config_file_is_one_line_naming_the_key_and_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('role = "store"\nheartbeat_timeout_s = "soon"\n')

@@ -65,12 +65,14 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
 
     def engine(cls: type[RoleConfig], role: str, i: int, **over) -> RoleConfig:
         """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a folder each
-        (ROLE for the first of a role, ROLE-I for the others)."""
+        (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an LMDB tier: its
+        objects are served by promoting them into that DRAM (a decode lends none unless --store-dram-bytes says)."""
         folder = role if i == 0 else f"{role}-{i}"
-        lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path else None
+        lends_dram = over.get("store_dram_bytes", cfg.store_dram_bytes) > 0
+        lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path and lends_dram else None
         return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
                     transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_reads_port=0, store_lmdb_path=lmdb,
-                    threads=threads, **over)
+                    store_lmdb_bytes=cfg.store_lmdb_bytes if lmdb else 0, threads=threads, **over)
 
     threads = cfg.threads or engine_threads(engine_count(cfg))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import lmdb
 
+from mooncaked.startup import StartupError
 from mooncaked.store.records import ObjectRecord, checksum
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,12 @@ class LmdbTier:
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = capacity
-        self.env = lmdb.open(path, map_size=capacity * MAP_OVERHEAD + MAP_SLACK, max_dbs=2, sync=False,
-                             metasync=False, readahead=False, lock=True)
+        try:
+            self.env = lmdb.open(path, map_size=capacity * MAP_OVERHEAD + MAP_SLACK, max_dbs=2, sync=False,
+                                 metasync=False, readahead=False, lock=True)
+        except lmdb.Error as e:  # not an LMDB environment, another version's, unreadable: the user's to fix
+            raise StartupError(f"the LMDB tier at {path} (--store-lmdb-path) cannot be opened: {e}; point it at "
+                               "an empty folder, or at one this engine's store wrote") from None
         self._meta = self.env.open_db(b"meta")
         self._data = self.env.open_db(b"data")
 

@@ -156,8 +156,11 @@ class IoProcessTransport(Transport):
             error = PeerUnavailableError(
                 f"the transfer I/O process {child.proc.pid} exited (code {code if code is not None else 'killed'}) "
                 "with the batch in flight; a fresh one starts on the next submit: retry")
-            if not self._closed:
+            if not self._closed and child.pending:
                 logger.warning("%s (%d batches failed)", error, len(child.pending))
+            elif not self._closed:  # (e.g. a daemon stopping after a failed start): nothing lost
+                logger.info("transfer I/O process %d exited (code %s) with nothing in flight; a fresh one starts on "
+                            "the next submit", child.proc.pid, code if code is not None else "killed")
             for future in child.pending.values():
                 if not future.done():
                     future.set_exception(error)
