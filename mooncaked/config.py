@@ -541,6 +541,9 @@ class WorkerConfig(RoleConfig):
             object.__setattr__(self, "transfer_listen", HostPort(self.listen.host, 0))
         if self.store_lmdb_bytes and not self.store_lmdb_path:
             raise ConfigError("store_lmdb_bytes is set but store_lmdb_path is not: say where the LMDB tier lives")
+        if self.store_lmdb_path and not self.store_lmdb_bytes:  # else no disk tier, and no word of it
+            raise ConfigError("store_lmdb_path is set but store_lmdb_bytes is not: say how much disk the LMDB tier "
+                              "lends (--store-lmdb-bytes, e.g. 64GiB)")
         if self.store_lmdb_bytes and not self.store_dram_bytes and self.role != "all":  # (all: the prefills lend DRAM)
             raise ConfigError("store_lmdb_bytes is set but store_dram_bytes is not: an engine serves its LMDB "
                               "tier's objects by promoting them into the DRAM it lends; lend some "

@@ -137,6 +137,8 @@ def test_cross_field_checks():
         _load(["--role", "decode", "--heartbeat-interval-s", "2", "--heartbeat-timeout-s", "1"])
     with pytest.raises(ConfigError, match=r"store_lmdb_bytes is set but store_lmdb_path is not"):
         _load(["--role", "prefill", "--store-lmdb-bytes", "1GiB"])
+    with pytest.raises(ConfigError, match=r"store_lmdb_path is set but store_lmdb_bytes is not"):
+        _load(["--role", "all", "--store-lmdb-path", "/tmp/x"])
     with pytest.raises(ConfigError, match=r"store_lmdb_bytes is set but store_dram_bytes is not"):
         _load(["--role", "decode", "--store-lmdb-path", "/tmp/x", "--store-lmdb-bytes", "1GiB"])
     assert _load(["--role", "all", "--store-lmdb-path", "/tmp/x", "--store-lmdb-bytes", "1GiB"]).store_lmdb_bytes
