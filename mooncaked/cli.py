@@ -226,12 +226,14 @@ async def _run(cfg, parent_pid: int | None) -> int:
         await asyncio.get_running_loop().run_in_executor(None, check_model, cfg)
     if parent_pid is not None:
         spawn(_watch_parent(parent_pid), "watch-parent")
-    if getattr(cfg, "metrics", None) is not None:
+    if getattr(cfg, "metrics", None) is not None and cfg.role != "all":  # (all: its children's, roles/all_metrics.py)
         import prometheus_client
 
         with listening("--metrics", cfg.metrics):
             server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host)
-        print(f"mooncaked {cfg.role}: metrics on http://{cfg.metrics.host}:{server.server_port}/metrics", flush=True)
+        if parent_pid is None:  # (a child of `all`: its parent serves these with every other process's)
+            print(f"mooncaked {cfg.role}: metrics on http://{cfg.metrics.host}:{server.server_port}/metrics",
+                  flush=True)
     if cfg.role in ("prefill", "decode"):
         from mooncaked.roles.engine_role import run_engine_role
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import free_port
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
@@ -71,12 +72,13 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
     notify.settimeout(120)
     port = free_port()
     conductor = f"127.0.0.1:{port}"
+    metrics = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_")}
     env.update(NOTIFY_SOCKET=str(notify_path), MOONCAKED_BLOCK_SIZE="4", MOONCAKED_KV_CACHE_BYTES="8MiB",
                MOONCAKED_HEARTBEAT_INTERVAL_S="0.3")
     log = open(tmp_path / "all.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "mooncaked.cli", "--role", "all", "--model", str(folder),
-                             "--listen", conductor, "--http", "127.0.0.1:0"],
+                             "--listen", conductor, "--http", "127.0.0.1:0", "--metrics", metrics],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         # ready means ready: requests sent the moment it says where it listens complete (they wait for
@@ -106,6 +108,15 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
         gen = _ctl(conductor, "generate", "t7 t8 t9", "--raw", "--max-tokens", "6")
         assert gen.returncode == 0, gen.stderr
         assert len(gen.stdout.split()) >= 1 and "finish=" in gen.stderr
+        # --metrics: every process's series on one page, each labelled with its process (roles/all_metrics.py)
+        page = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
+        samples = {(s.name, s.labels.get("mooncaked_process")): s.value
+                   for f in text_string_to_metric_families(page) for s in f.samples}
+        assert {p: samples.get(("mooncaked_all_process_up", p)) for p in ("conductor", "store", "prefill", "decode")} \
+            == {"conductor": 1.0, "store": 1.0, "prefill": 1.0, "decode": 1.0}
+        assert samples[("mooncaked_conductor_generated_tokens_total", "conductor")] >= 8  # the two requests above
+        assert ("process_resident_memory_bytes", "prefill") in samples
+        assert ("mooncaked_store_objects", "store") in samples
         bad = _ctl(conductor, "drain", "no-such-instance")
         assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "Traceback" not in bad.stderr
         proc.send_signal(signal.SIGTERM)

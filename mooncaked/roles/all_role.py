@@ -96,6 +96,25 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     return out
 
 
+def _serve_metrics(cfg: AllConfig, configs: list[RoleConfig]) -> list[RoleConfig]:
+    """Each child a metrics port on loopback; --metrics serves all of theirs as one page (all_metrics.py)."""
+    import prometheus_client
+
+    from mooncaked.roles.all_metrics import children_registry, process_labels
+    from mooncaked.startup import listening
+
+    assert cfg.metrics is not None
+    configs = [dataclasses.replace(c, metrics=HostPort("127.0.0.1", free_port("127.0.0.1"))) for c in configs]
+    targets = {label: f"http://127.0.0.1:{c.metrics.port}/metrics"  # type: ignore[attr-defined]
+               for label, c in zip(process_labels(c.role for c in configs), configs)}
+    with listening("--metrics", cfg.metrics):
+        server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host,
+                                                        registry=children_registry(targets))
+    print(f"mooncaked all: metrics of every process on http://{cfg.metrics.host}:{server.server_port}/metrics",
+          flush=True)
+    return configs
+
+
 def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
     from mooncaked.cli import run_role
 
@@ -157,7 +176,10 @@ async def run_all_role(cfg: AllConfig) -> int:
     conductor_ready: asyncio.Future = asyncio.get_running_loop().create_future()
     hearing = spawn(_hear_children(notify, conductor_ready), "hear-children")
     children = []
-    for child in child_configs(cfg):
+    configs = child_configs(cfg)
+    if cfg.metrics is not None:
+        configs = _serve_metrics(cfg, configs)
+    for child in configs:
         told = notify_at if child.role == "conductor" else None
         p = ctx.Process(target=_child_main, args=(child, told), name=f"mooncaked-{child.role}", daemon=False)
         p.start()
