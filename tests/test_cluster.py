@@ -155,6 +155,27 @@ async def test_drain_and_undrain_through_the_conductor(cluster):
             await stub.SetDrain(conductor_pb2.SetDrainRequest(name="p1", drain=False), timeout=5)
 
 
+async def test_a_heartbeat_composed_before_an_undrain_does_not_undo_it(cluster):
+    """A heartbeat the engine composed while drained can reach the conductor after the undrain's answer; it
+    carries the engine's count of drain calls then (drain_seq), older than the undrain's, so its "draining"
+    is not taken (before: the instance showed draining, and got no new work, until its next heartbeat)."""
+    async with grpc.aio.insecure_channel(cluster.conductor) as ch:
+        stub = conductor_pb2_grpc.ConductorStub(ch)
+        await stub.SetDrain(conductor_pb2.SetDrainRequest(name="p1", drain=True), timeout=5)
+        await stub.SetDrain(conductor_pb2.SetDrainRequest(name="p1", drain=False), timeout=5)
+
+        async def p1():
+            status = await stub.Status(conductor_pb2.StatusRequest(), timeout=5)
+            return next(i for i in status.instances if i.name == "p1")
+
+        before = await p1()
+        assert before.state == common_pb2.INSTANCE_STATE_SERVING
+        stale = conductor_pb2.HeartbeatRequest(name="p1", load=before.load, drain_seq=0,
+                                               state=common_pb2.INSTANCE_STATE_DRAINING)
+        assert (await stub.Heartbeat(stale, timeout=5)).known
+        assert (await p1()).state == common_pb2.INSTANCE_STATE_SERVING
+
+
 def test_engines_export_prometheus_metrics(cluster):
     for name in ENGINES:
         with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port(name)}/metrics", timeout=10) as r:

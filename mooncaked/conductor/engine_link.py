@@ -91,6 +91,7 @@ class Heartbeat:
     state: str = ""  # "": serving
     events: list[KVEvent] = field(default_factory=list)
     decode_samples: list[DecodeSample] = field(default_factory=list)
+    drain_seq: int = 0  # the engine's count of Drain calls when it composed this (an older one's state is stale)
 
 
 class EngineError(Exception):
@@ -282,8 +283,9 @@ class EngineLink(abc.ABC):
         """Either: the peer has read a loan's blocks; whether it was still held."""
 
     @abc.abstractmethod
-    async def drain(self, drain: bool, timeout_s: float) -> str:
-        """Either: stop (or resume) taking new work; the instance's state after it."""
+    async def drain(self, drain: bool, timeout_s: float) -> tuple[str, int]:
+        """Either: stop (or resume) taking new work; the instance's state after it, and the call's number
+        (heartbeats composed before it carry a smaller one)."""
 
     @abc.abstractmethod
     async def stage_open(self, opening: StageOpen, timeout_s: float) -> StageOpened:

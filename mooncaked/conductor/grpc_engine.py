@@ -218,12 +218,12 @@ class GrpcEngineLink(EngineLink):
             raise engine_error(e) from None
         return reply.found
 
-    async def drain(self, drain: bool, timeout_s: float) -> str:
+    async def drain(self, drain: bool, timeout_s: float) -> tuple[str, int]:
         try:
             reply = await self.stub.Drain(engine_pb2.DrainRequest(drain=drain), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise engine_error(e) from None
-        return STATE_OF.get(reply.state, el.SERVING)
+        return STATE_OF.get(reply.state, el.SERVING), reply.drain_seq
 
     async def close(self, grace_s: float = 0.0) -> None:
         await self.channel.close(grace_s or None)

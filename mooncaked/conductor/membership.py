@@ -112,7 +112,7 @@ class Membership:
 
     def heartbeat(self, hb: Heartbeat) -> bool:
         """Record liveness, load and KV events; False: the instance is unknown (it must register again)."""
-        inst = self.registry.heartbeat(hb.name, hb.load, hb.state)
+        inst = self.registry.heartbeat(hb.name, hb.load, hb.state, hb.drain_seq)
         if inst is None:
             return False
         self.gate.note(self.registry)
@@ -148,7 +148,9 @@ class Membership:
         inst.drained_by_operator = drain
         if inst.link is not None:
             try:
-                inst.state = await inst.link.drain(drain, DRAIN_CALL_TIMEOUT_S)
+                state, seq = await inst.link.drain(drain, DRAIN_CALL_TIMEOUT_S)
+                if seq >= inst.drain_seq:  # (two drains at once: the later call's answer stands)
+                    inst.state, inst.drain_seq = state, seq
             except EngineError as e:
                 log.warning("could not tell %s to drain: %s", inst.name, e.kind)
         self.gate.note(self.registry)

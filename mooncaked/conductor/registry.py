@@ -58,6 +58,7 @@ class Instance:
     last_heartbeat: float = field(default_factory=time.monotonic)
     state: str = SERVING
     drained_by_operator: bool = False
+    drain_seq: int = 0  # the engine's number of our last Drain call: a heartbeat composed before it is stale
     load: InstanceLoad = field(default_factory=InstanceLoad)
     link: EngineLink | None = None
     inflight: int = 0  # requests the conductor has routed here and not yet seen finish
@@ -103,7 +104,9 @@ class Registry:
         log.info("registered %s %s at %s", inst.role, inst.name, inst.address)
         self.changes.notify()
 
-    def heartbeat(self, name: str, load: InstanceLoad, state: str) -> Instance | None:
+    def heartbeat(self, name: str, load: InstanceLoad, state: str, drain_seq: int = 0) -> Instance | None:
+        """Liveness and load; the state too, unless the heartbeat was composed before our last Drain call's
+        answer (it can arrive after it, and its state would undo that call until the next heartbeat)."""
         inst = self.instances.get(name)
         if inst is None:
             return None
@@ -112,7 +115,8 @@ class Registry:
         inst.load = load
         if inst.state == DEAD:
             log.info("%s is alive again", name)
-        inst.state = state or SERVING
+        if drain_seq >= inst.drain_seq or inst.state == DEAD:
+            inst.state = state or SERVING
         if (inst.available and not was_available) or load.free_kv_blocks > had_free:
             self.changes.notify()  # requests waiting for an instance or for KV room try again
         return inst

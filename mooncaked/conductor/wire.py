@@ -80,7 +80,7 @@ def heartbeat_from_proto(r: conductor_pb2.HeartbeatRequest) -> Heartbeat:
     return Heartbeat(
         r.name, load_from_proto(r.load), STATE_OF.get(r.state, ""),
         [KVEvent(_EVENT_KINDS.get(e.kind, ""), list(e.block_hashes), e.medium, e.instance) for e in r.events],
-        [DecodeSample(s.batch, s.context_tokens, s.seconds) for s in r.decode_samples])
+        [DecodeSample(s.batch, s.context_tokens, s.seconds) for s in r.decode_samples], r.drain_seq)
 
 
 def heartbeat_to_proto(hb: Heartbeat) -> conductor_pb2.HeartbeatRequest:
@@ -90,7 +90,7 @@ def heartbeat_to_proto(hb: Heartbeat) -> conductor_pb2.HeartbeatRequest:
         events=[common_pb2.KVEvent(kind=_EVENT_ENUMS[e.kind], block_hashes=e.block_hashes, medium=e.medium,
                                    instance=e.instance) for e in hb.events],
         decode_samples=[conductor_pb2.DecodeSample(batch=s.batch, context_tokens=s.context_tokens, seconds=s.seconds)
-                        for s in hb.decode_samples])
+                        for s in hb.decode_samples], drain_seq=hb.drain_seq)
 
 
 def _instance(i: InstanceInfo) -> conductor_pb2.InstanceInfo:

@@ -53,7 +53,7 @@ class InstanceHeartbeat:
         samples = [DecodeSample(r.decodes, r.decode_context, r.seconds)
                    for r in engine.drain_step_log() if r.decodes and not r.prefill_tokens]
         return Heartbeat(self.worker.name, instance_load(self.worker), self.worker.state(), events,
-                         samples[-MAX_DECODE_SAMPLES:])
+                         samples[-MAX_DECODE_SAMPLES:], self.worker.drain_seq)
 
     async def snapshot(self) -> list[KVEvent]:
         """Every block cached now, for a conductor that has just registered us (on the engine thread:

@@ -74,7 +74,7 @@ class LocalEngineLink(EngineLink):
     async def release(self, loan_id: str, timeout_s: float) -> bool:
         return await _within(self.worker.release(loan_id), timeout_s, "release")
 
-    async def drain(self, drain: bool, timeout_s: float) -> str:
+    async def drain(self, drain: bool, timeout_s: float) -> tuple[str, int]:
         return self.worker.drain(drain)
 
     async def close(self, grace_s: float = 0.0) -> None:

@@ -59,6 +59,7 @@ class Worker:
         self.peers = peers
         self.started = time.monotonic()
         self.draining = False
+        self.drain_seq = 0  # Drain calls taken: heartbeats carry it, so a stale one cannot undo a later drain
         self.aborted: OrderedDict[str, None] = OrderedDict()
         self.decoder = Decoder(self, reservation_ttl_s)
         self.prefiller = Prefiller(self, layerwise=kv_push == "layerwise")
@@ -210,10 +211,12 @@ class Worker:
             log.warning("prefill %s still pushing %.0fs after its abort", request_id, ABORT_WAIT_S)
         return AbortResult(found=True, ended=ended.is_set())
 
-    def drain(self, drain: bool) -> str:
+    def drain(self, drain: bool) -> tuple[str, int]:
+        """Stop (or resume) taking new work: the state after it, and this call's number (``drain_seq``)."""
         self.draining = drain
+        self.drain_seq += 1
         log.info("%s %s", self.name, "draining" if drain else "serving again")
-        return self.state()
+        return self.state(), self.drain_seq
 
     def cached_prefix(self, block_hashes: list[int]) -> int:
         return self.engine.block_manager.cached_prefix_len(block_hashes)

@@ -213,7 +213,8 @@ class WorkerService(engine_pb2_grpc.EngineServicer):
                                      model_id=w.model_id)
 
     async def Drain(self, request, context):
-        return engine_pb2.DrainReply(state=STATE_ENUMS[self.worker.drain(request.drain)])
+        state, seq = self.worker.drain(request.drain)
+        return engine_pb2.DrainReply(state=STATE_ENUMS[state], drain_seq=seq)
 
     async def CachedPrefix(self, request, context):
         return engine_pb2.CachedPrefixReply(num_blocks=self.worker.cached_prefix(list(request.block_hashes)))

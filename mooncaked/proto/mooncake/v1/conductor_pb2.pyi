@@ -222,18 +222,20 @@ class DecodeSample(_message.Message):
     def __init__(self, batch: _Optional[int] = ..., context_tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("name", "load", "state", "events", "decode_samples")
+    __slots__ = ("name", "load", "state", "events", "decode_samples", "drain_seq")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SEQ_FIELD_NUMBER: _ClassVar[int]
     name: str
     load: _common_pb2.InstanceLoad
     state: _common_pb2.InstanceState
     events: _containers.RepeatedCompositeFieldContainer[_common_pb2.KVEvent]
     decode_samples: _containers.RepeatedCompositeFieldContainer[DecodeSample]
-    def __init__(self, name: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., events: _Optional[_Iterable[_Union[_common_pb2.KVEvent, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ...) -> None: ...
+    drain_seq: int
+    def __init__(self, name: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.InstanceLoad, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., events: _Optional[_Iterable[_Union[_common_pb2.KVEvent, _Mapping]]] = ..., decode_samples: _Optional[_Iterable[_Union[DecodeSample, _Mapping]]] = ..., drain_seq: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)

@@ -193,10 +193,12 @@ class DrainRequest(_message.Message):
     def __init__(self, drain: _Optional[bool] = ...) -> None: ...
 
 class DrainReply(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "drain_seq")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SEQ_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.InstanceState
-    def __init__(self, state: _Optional[_Union[_common_pb2.InstanceState, str]] = ...) -> None: ...
+    drain_seq: int
+    def __init__(self, state: _Optional[_Union[_common_pb2.InstanceState, str]] = ..., drain_seq: _Optional[int] = ...) -> None: ...
 
 class CachedPrefixRequest(_message.Message):
     __slots__ = ("block_hashes",)
