@@ -40,10 +40,15 @@ class Driver:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Drive on `loop` (again, if an earlier loop ended); no-op while already driving there."""
+    def thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The engine thread (made on first need: a dead engine's bookkeeping still runs there)."""
         if self.executor is None:
             self.executor = new_engine_thread()
+        return self.executor
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Drive on `loop` (again, if an earlier loop ended); no-op while already driving there."""
+        self.thread()
         if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
             return
         self._wake = asyncio.Event()

@@ -28,7 +28,6 @@ import torch
 from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, parse_dtype
 from mooncaked.engine.driver import Driver
-from mooncaked.engine.engine_thread import new_engine_thread
 from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
@@ -320,7 +319,7 @@ class Engine:
         Works after the driver died too (bookkeeping such as giving blocks back)."""
         loop = asyncio.get_running_loop()
         self.start_driver(loop)
-        return await loop.run_in_executor(self._driver.executor, fn, *args)
+        return await loop.run_in_executor(self._driver.thread(), fn, *args)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away); its blocks are freed at the next step. Thread-safe."""
@@ -584,9 +583,7 @@ class Engine:
         ``stream`` and ``call`` do it on demand: driver.py)."""
         loop = loop or asyncio.get_running_loop()
         if self.driver_failure is not None:
-            if self._driver.executor is None:  # ``call`` still runs bookkeeping on the engine thread
-                self._driver.executor = new_engine_thread()
-            return  # a dead engine stays dead: its owner restarts the process
+            return  # a dead engine stays dead: its owner restarts the process (``call`` still runs)
         self._driver.start(loop)
 
     def _driver_died(self, exc: BaseException) -> None:

@@ -25,15 +25,19 @@ SCRAPE_TIMEOUT_S = 2.0
 MAX_PAGE_BYTES = 16 << 20  # a child's page is ~100 KB; more is not a metrics page
 
 
+def numbered(role: str, i: int) -> str:
+    """The i-th process of a role: ROLE for the first, ROLE-I for the others (metrics labels, LMDB folders)."""
+    return role if i == 0 else f"{role}-{i}"
+
+
 def process_labels(roles: Iterable[str]) -> list[str]:
-    """One label per child, in order: the role for the first of it, ROLE-I for the others (as their LMDB
-    folders are named)."""
+    """One label per child, in order (numbered within each role)."""
     seen: dict[str, int] = {}
     out = []
     for role in roles:
         i = seen.get(role, 0)
         seen[role] = i + 1
-        out.append(role if i == 0 else f"{role}-{i}")
+        out.append(numbered(role, i))
     return out
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mooncaked.config import (AllConfig, ConductorConfig, DecodeConfig, HostPort, PrefillConfig, RoleConfig,
                               StoreConfig)
+from mooncaked.roles.all_metrics import children_registry, numbered, process_labels
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
         """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a folder each
         (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an LMDB tier: its
         objects are served by promoting them into that DRAM (a decode lends none unless --store-dram-bytes says)."""
-        folder = role if i == 0 else f"{role}-{i}"
+        folder = numbered(role, i)
         lends_dram = over.get("store_dram_bytes", cfg.store_dram_bytes) > 0
         lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path and lends_dram else None
         return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
@@ -100,7 +101,6 @@ def _serve_metrics(cfg: AllConfig, configs: list[RoleConfig]) -> list[RoleConfig
     """Each child a metrics port on loopback; --metrics serves all of theirs as one page (all_metrics.py)."""
     import prometheus_client
 
-    from mooncaked.roles.all_metrics import children_registry, process_labels
     from mooncaked.startup import listening
 
     assert cfg.metrics is not None

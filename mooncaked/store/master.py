@@ -110,9 +110,8 @@ class StoreMaster:
         known = len(self.objects)
         fresh: list[str] = []  # objects new to the master: announced together
         persist = seg.medium == "dram" and self.policy.persist and cat.tier_of(client_id, "lmdb") is not None
-        removed = self.removed
         for rec in records:
-            adopted = cat.adopt(seg, rec, fresh) if not (removed and removed.holds(rec.key, rec.checksum)) else None
+            adopted = cat.adopt(seg, rec, fresh) if not self.removed.holds(rec.key, rec.checksum) else None
             if adopted is None:
                 rejected.append(rec.key)
                 continue
