@@ -229,8 +229,11 @@ async def _run(cfg, parent_pid: int | None) -> int:
     if getattr(cfg, "metrics", None) is not None and cfg.role != "all":  # (all: its children's, roles/all_metrics.py)
         import prometheus_client
 
+        from mooncaked.role_metrics import registry_for
+
         with listening("--metrics", cfg.metrics):
-            server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host)
+            server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host,
+                                                            registry=registry_for(cfg.role))
         if parent_pid is None:  # (a child of `all`: its parent serves these with every other process's)
             print(f"mooncaked {cfg.role}: metrics on http://{cfg.metrics.host}:{server.server_port}/metrics",
                   flush=True)

@@ -117,6 +117,9 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
         assert samples[("mooncaked_conductor_generated_tokens_total", "conductor")] >= 8  # the two requests above
         assert ("process_resident_memory_bytes", "prefill") in samples
         assert ("mooncaked_store_objects", "store") in samples
+        strangers = {(name, p) for name, p in samples if p != "conductor" and name.startswith("mooncaked_conductor_")}
+        strangers |= {(name, p) for name, p in samples if p != "store" and name == "mooncaked_store_is_leader"}
+        assert not strangers, "a process showing another role's series (at 0)"  # role_metrics.py
         bad = _ctl(conductor, "drain", "no-such-instance")
         assert bad.returncode == 1 and "NOT_FOUND" in bad.stderr and "Traceback" not in bad.stderr
         proc.send_signal(signal.SIGTERM)

@@ -181,3 +181,4 @@ def test_engines_export_prometheus_metrics(cluster):
         with urllib.request.urlopen(f"http://127.0.0.1:{cluster.metrics_port(name)}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert "mooncaked_transfer" in text and "mooncaked_store" in text, name
+        assert "mooncaked_conductor_" not in text and "mooncaked_store_is_leader" not in text, name  # others' series

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from mooncaked.conductor import errors, metrics
 from mooncaked.conductor.core import Chunk, Conductor
@@ -29,6 +29,7 @@ from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_conn
 from mooncaked.conductor.json_body import decode_json
 from mooncaked.conductor.openai_response import Responder, TokenTexts, usage
 from mooncaked.conductor.openai_schema import ApiError, OpenAIRequest, ServedModel, parse_chat, parse_completion
+from mooncaked.role_metrics import registry_for
 from mooncaked.security import TOKEN_HEADER, Security
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class HttpFront:
     security: Security = field(default_factory=Security)  # the cluster secret for TOKEN_PATHS
     metrics_require_key: bool = False
     limits: HttpLimits = field(default_factory=HttpLimits)  # body size and read time (http_limits.py)
+    page: CollectorRegistry = field(default_factory=lambda: registry_for("conductor"))  # what /metrics shows
 
     # -- middleware ---------------------------------------------------------------------------
     @web.middleware
@@ -246,7 +248,7 @@ class HttpFront:
     # -- operations ---------------------------------------------------------------------------
     async def metrics(self, request: web.Request) -> web.Response:
         metrics.refresh(self.conductor.registry, len(self.conductor.index))
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.page), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def health(self, request: web.Request) -> web.Response:
         """Ready when at least one prefill and one decode instance serve: a balancer should send

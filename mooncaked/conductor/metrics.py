@@ -60,6 +60,8 @@ POOL_WATCH_LOSSES = Counter("mooncaked_conductor_pool_watch_losses",
                             "Times the pool event stream was lost (its blocks then leave the prefix index).")
 
 _PER_INSTANCE = (QUEUED_PREFILL_TOKENS, RUNNING, WAITING, ROUTED_INFLIGHT, FREE_KV_BLOCKS)
+SERIES = (TTFT, TBT, REQUESTS, INFLIGHT, REJECTIONS, PROMPT_TOKENS, CACHED_TOKENS, GENERATED_TOKENS, HIT_RATE,
+          INDEX_ENTRIES, POOL_EVENTS, POOL_WATCH_UP, POOL_WATCH_LOSSES, *_PER_INSTANCE)  # the conductor's page
 
 
 def rejected(reason: str) -> None:

@@ -36,6 +36,7 @@ def deviated(deviations: dict[str, int]) -> None:
         if blocks:
             PLAN_DEVIATIONS.labels(reason).inc(blocks)
 
+
 # chunked pipeline parallel prefill (instance/pipeline.py), per stage "K/N"
 STAGE_BUSY = Counter("mooncaked_cpp_stage_busy_seconds",
                      "Engine step time a CPP stage spent computing its layers of prompts.", ["stage"])
@@ -45,3 +46,6 @@ STAGE_BUBBLE = Counter("mooncaked_cpp_stage_bubble_seconds",
 HIDDEN_BYTES = Counter("mooncaked_cpp_hidden_bytes",
                        "Boundary hidden-state bytes a CPP stage sent to the next stage over the transfer engine.",
                        ["stage"])
+
+SERIES = (PLAN_DEVIATIONS, PLAN_BLOCKS, PUSHES_FENCED, LENT_BLOCKS, STAGE_BUSY, STAGE_BUBBLE,
+          HIDDEN_BYTES)  # an engine's page (role_metrics.py)

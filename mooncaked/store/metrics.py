@@ -1,8 +1,9 @@
 """Prometheus series of the KV pool, for the master and the clients.
 
 prometheus-client keeps one process-wide registry, so the series are declared here once;
-a process running a master and clients (the `all` role, tests) adds to the same series,
-told apart by their labels.
+a process running a master and clients (tests) adds to the same series, told apart by their
+labels. A role's /metrics page shows only its side (MASTER_SERIES or CLIENT_SERIES,
+role_metrics.py): an engine's page saying `mooncaked_store_is_leader 0` would read as a standby master.
 """
 
 from __future__ import annotations
@@ -138,3 +139,9 @@ FAILOVER_SECONDS = Histogram("mooncaked_store_failover_seconds",
                              "the new leader.", buckets=(0.1, 0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 7.5, 10, 20))
 LEADER_FOLLOWS = Counter("mooncaked_store_client_leader_changes",
                          "Times a client (engine, conductor) moved to a new store master leader.")
+
+# what a role's page shows (role_metrics.py): the master's side and a client's (engines, the conductor)
+MASTER_SERIES = (SEGMENTS, OBJECTS, LOOKUPS, EVICTIONS, PROMOTIONS, DEAD_CLIENTS, STALE_PUTS, POOL_EVENTS,
+                 POOL_WATCHERS, POOL_WATCHERS_DROPPED, IS_LEADER, LEADER_CHANGES, REFUSED_CALLS, OBJECTS_REBUILT)
+CLIENT_SERIES = (CLIENT_OPS, CLIENT_BYTES, CHECKSUM_FAILURES, HINTED_READS, OWNER_READS, OWNER_GETS, TIER_TASKS,
+                 FAILOVER_SECONDS, LEADER_FOLLOWS)

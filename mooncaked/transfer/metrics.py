@@ -34,6 +34,7 @@ OPS = Counter(
     "Transfer ops, by who started them (initiator) or served them (target).",
     ["backend", "op", "role", "result"],
 )
+SERIES = (BYTES_SENT, BYTES_RECEIVED, OPS)  # an engine's page (role_metrics.py)
 
 
 @functools.cache
