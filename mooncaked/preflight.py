@@ -1,5 +1,5 @@
 """What a role checks before it starts anything slow: its ports (free, and on loopback unless
-something guards them), its device, its model.
+something guards them), its device and the backends it asked for, its model.
 
 A busy port found here fails the daemon in a moment, before it loads a model, spawns
 children or registers with a conductor (a second `--role all` on a taken `--listen` would
@@ -15,7 +15,7 @@ from typing import Any
 
 from mooncaked.config import HostPort, RoleConfig
 from mooncaked.security import check_exposure
-from mooncaked.startup import check_addresses
+from mooncaked.startup import StartupError, check_addresses
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,20 @@ def check_ports(cfg: RoleConfig) -> None:
     check_addresses(addresses)
 
 
+def check_engine_choices(cfg: Any) -> None:
+    """An attention backend or a transfer backend this host cannot run, named by its flag (before a
+    model loads, and under `all` before any child starts)."""
+    from mooncaked.engine.attention.flash_backend import flash_unavailable_reason
+
+    if cfg.attention_backend == "flash" and (why := flash_unavailable_reason(cfg.device, cfg.block_size)):
+        raise StartupError(f"--attention-backend flash: {why}; use auto (flash where it can run) or torch")
+    if cfg.transfer_backend == "rdma":
+        from mooncaked.transfer.rdma import unavailable_reason
+
+        if why := unavailable_reason("rdma"):
+            raise StartupError(f"--transfer-backend rdma: {why}; use tcp, shm or auto")
+
+
 def check_model(cfg: RoleConfig) -> Path:
     """The device (engines) and the model, resolved (a GGUF converted once, here, not by each child);
     raises the engine's own typed errors, which `startup.user_message` turns into one line."""
@@ -54,6 +68,7 @@ def check_model(cfg: RoleConfig) -> Path:
 
     if cfg.role in ("prefill", "decode", "all"):
         check_device(cfg.device)  # type: ignore[attr-defined]
+        check_engine_choices(cfg)
     model_dir = resolve_model_dir(cfg.model, Path(cfg.cache_dir) if cfg.cache_dir else None)
     read_model_config(model_dir)
     log.debug("preflight: model %s", model_dir)

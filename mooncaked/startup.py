@@ -114,7 +114,8 @@ def user_message(error: BaseException) -> str | None:
     if (_is(error, "mooncaked.engine.config", "ConfigError")
             or _is(error, "mooncaked.engine.gguf_tokenizer", "UnsupportedGGUFError")
             or _is(error, "mooncaked.engine.gguf_loader", "BadGGUFError")
-            or _is(error, "mooncaked.engine.sampling_params", "RequestError")):
+            or _is(error, "mooncaked.engine.sampling_params", "RequestError")
+            or _is(error, "mooncaked.transfer.api", "BackendUnavailableError")):
         return str(error)
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         if error.filename and error.strerror:

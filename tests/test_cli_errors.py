@@ -322,3 +322,20 @@ def test_help_without_a_role_lists_roles_and_says_how_to_see_a_roles_flags():
         assert role in result.stdout, role
     assert "mooncaked --role ROLE --help" in result.stdout
     assert "--listen" in result.stdout and "--policy" not in result.stdout and "--device" not in result.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("flags, needles", [
+    (("--attention-backend", "flash"), ("--attention-backend flash", "needs a CUDA device")),
+    (("--transfer-backend", "rdma"), ("--transfer-backend rdma", "use tcp, shm or auto")),
+])
+def test_a_backend_this_host_cannot_run_is_one_line_before_any_child_starts(tiny_model_factory, flags, needles):
+    """Under `all` these failed in each engine child after its model loaded, with a traceback (the flash
+    backend raised RuntimeError; rdma's BackendUnavailableError was not a user's error)."""
+    if flags[0] == "--transfer-backend" and __import__("mooncaked.transfer.rdma").transfer.rdma.rdma_devices():
+        pytest.skip("this host has an RDMA device")
+    _, folder = tiny_model_factory("llama")
+    for role, more in (("all", ("--http", f"127.0.0.1:{free_port()}")), ("prefill", ())):
+        result = _mooncaked("--role", role, "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}", *more,
+                            *flags, timeout=120)
+        _one_line(result, *needles, most=2)

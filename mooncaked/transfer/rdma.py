@@ -46,6 +46,21 @@ def rdma_devices() -> list[str]:
         return []
 
 
+def unavailable_reason(protocol: str = "rdma") -> str | None:
+    """Why Mooncake's engine cannot run `protocol` here, or None, without importing it (a start-up check)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("mooncake.engine") is not None
+    except ImportError:  # no `mooncake` package at all
+        found = False
+    if not found:
+        return f"{NEEDS}: mooncake-transfer-engine is not installed"
+    if protocol == "rdma" and not rdma_devices():
+        return f"{NEEDS}: no RDMA device under {SYSFS_RDMA} on this host"
+    return None
+
+
 def load_mooncake() -> Any:
     """mooncake.engine.TransferEngine, or BackendUnavailableError saying why not."""
     try:

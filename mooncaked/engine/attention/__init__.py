@@ -10,6 +10,7 @@ import torch
 from mooncaked.engine.attention.flash_backend import flash_unavailable_reason
 from mooncaked.engine.attention.metadata import AttentionMetadata
 from mooncaked.engine.attention.torch_backend import TorchAttention
+from mooncaked.engine.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def make_backend(choice: str, device: str | torch.device, block_size: int, num_h
 
             return FlashAttention(num_heads, num_kv_heads, head_dim, scale)
         if choice == "flash":
-            raise RuntimeError(f"attention backend 'flash' cannot run: {reason}")
+            raise ConfigError(f"attention backend 'flash' cannot run: {reason}; use auto or torch")
         if torch.device(device).type == "cuda":
             log.warning("using the torch attention backend: %s", reason)
     kernel = None
