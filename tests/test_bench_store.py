@@ -19,9 +19,10 @@ def test_bench_store_json_small() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     ours = out["ours"]
-    for row in ("put", "put_commit_behind", "get", "batch_put", "batch_get"):
+    for row in ("put", "put_commit_behind", "get", "get_spin", "batch_put", "batch_get"):
         assert ours[row]["mb_s"] > 0, row
     assert 0 <= ours["get_share_by_owner"] <= 1
+    assert ours["get_spin_share_by_owner"] == 1.0  # the polling client learned every owner in its untimed pass
     assert ours["get_share_by_index"] == 0  # over TCP no reader maps the owner's index
     assert out["mooncake"] is None and out["ratios"] is None and "not asked for" in out["baseline"]
     assert "tcp_ceilings" not in out and "aims" not in out  # no baseline, no ceiling or aim to show
@@ -47,5 +48,7 @@ def test_the_aims_name_the_row_they_compare_and_whether_it_clears() -> None:
     assert got["tcp_put"] == {"row": "ours.put_commit_behind", "ratio": 3.4, "aim": 3.0, "met": True,
                               "note": "the plain put, which waits for the master's commit: 2.20x"}
     assert got["tcp_get"] == {"row": "ours.get", "ratio": 1.97, "aim": 2.0, "met": False}
+    polled = aims({"ours": {"get": 1.97, "get_spin": 2.3}})["tcp_get"]
+    assert not polled["met"] and "2.30x" in polled["note"] and "owner_read_spin_us" in polled["note"]
     assert got["shm_put"]["met"] and got["shm_get"]["met"]
     assert set(aims({"ours": {"get": 2.5}})) == {"tcp_get"}  # rows a run did not measure are not judged

@@ -293,3 +293,67 @@ async def test_an_owner_serves_reads_by_key_on_the_port_it_is_given_and_a_busy_o
             await owner.close()
     finally:
         await runner.stop()
+
+
+async def test_a_reader_polling_for_answers_gets_the_same_whole_checked_bytes():
+    """owner_read_spin_us: answers received on the caller's thread before the loop takes over. Single gets,
+    a batch, concurrent gets on one connection, an object larger than the spin can take in, and a corrupt one."""
+    clients = ("owner", dict(dram_bytes=160 << 20)), ("writer", {}), ("reader", dict(owner_read_spin_us=2000))
+    async with pool(*clients) as (_, (owner, writer, reader)):
+        objs = {f"s/{i}": os.urandom((i + 1) * 40 * KiB + i) for i in range(6)}
+        objs["s/big"] = os.urandom(6 << 20)  # many reads, all in the spin while bytes keep coming
+        for k, v in objs.items():
+            assert await writer.put(k, v)
+            await held(owner, k)
+        for k, v in objs.items():
+            assert await reader.get(k) == v  # learns each owner (the master's path)
+        hits = owner_gets("hit")
+        assert [await reader.get(k) for k in objs] == list(objs.values())
+        assert await reader.batch_get(list(objs)) == list(objs.values())
+        assert await asyncio.gather(*(reader.get(k) for k in reversed(objs))) == list(reversed(objs.values()))
+        assert owner_gets("hit") == hits + 3 * len(objs)
+        offset = owner.journal.find("s/0")[0]
+        owner.dram.view[offset + 7] ^= 0xFF
+        fallbacks = owner_gets("fallback")
+        assert await reader.get("s/0") is None  # polled in, hashed as it landed, refused
+        assert owner_gets("fallback") == fallbacks + 1
+
+
+async def test_a_polling_reader_hands_an_answer_it_began_to_the_event_loop():
+    """The spin's budget passes with half an answer in: the connection's event loop reads the rest into the
+    same bytes. The owner is a wire-level one on a thread of its own, stalling mid-body on cue."""
+    import threading
+
+    from mooncaked.store.owner_link import OwnerLinks
+    from mooncaked.store.owner_wire import REQUEST, SERVED
+
+    body = os.urandom(256 * KiB)
+    rest = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def owner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+            klen, req_id, size, _ = REQUEST.unpack(head)
+            conn.recv(klen, socket.MSG_WAITALL)
+            conn.sendall(REPLY.pack(req_id, SERVED, size) + body[:size // 2])
+            rest.wait(10)
+            conn.sendall(body[size // 2:])
+            conn.recv(1)  # until the reader closes
+
+    thread = threading.Thread(target=owner, daemon=True)
+    thread.start()
+    links = OwnerLinks(None, timeout_s=10.0, spin_s=0.01)
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        read = asyncio.ensure_future(links.read_bytes(address, "k", len(body), checksum(body)))
+        await until(lambda: address in links._conns and links._conns[address]._sock is not None, "the spin ran")
+        conn = links._conns[address]
+        assert conn._bpos == len(body) // 2 and not read.done()  # taken in while it spun; the rest is the loop's
+        rest.set()
+        assert await asyncio.wait_for(read, 5) == body
+    finally:
+        links.close()  # the loop closes the connection: the owner thread's last recv returns then
+        listener.close()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 10)

@@ -7,7 +7,9 @@ driver process, which lends nothing, that puts N objects and gets them back, so 
 crosses processes. Rows: sequential single-object put and get (MB/s, p50, p99 latency),
 batched put and get (MB/s), and ours only: sequential single puts with their commit behind
 (`commit_behind`: put() returns once its bytes landed and its commit is sent, so the commit
-overlaps the next put's transfer; ratio against Mooncake's single put). Our gets ask the owner by
+overlaps the next put's transfer; ratio against Mooncake's single put), and over TCP sequential single gets
+that poll for the owner's answer before sleeping (`get_spin`: owner_read_spin_us=SPIN_US, on a client that
+learned each object's owner in one untimed pass; ratio against Mooncake's single get). Our gets ask the owner by
 key when the driver knows it from its puts (owner_server.py): the share it served is printed. Mooncake uses TCP on loopback; our rows: TCP, shared memory
 (backend auto, what two engines on one host use), and TCP with the metadata calls over gRPC
 instead of the master's fast path (what the fast path buys). Floors, measured in the same run: a raw
@@ -62,6 +64,7 @@ MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
 
 WARM_BATCHES = 2
+SPIN_US = 200  # the get_spin row's owner_read_spin_us: about two bare round trips on the developers' host
 """Batch gets made, untimed, before the timed pass, by both systems: the first batches' results (a batch of
 new bytes objects while the previous batch's are still held) grow the heap, and on a VM a page touched for
 the first time can cost ~35 us (measured: the first two of 32 batches took 74-84 ms for 2048 pages each, the others ~2 ms). That
@@ -180,6 +183,19 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
             assert got == d, f"get {k} returned wrong bytes"
         owner_share = round((OWNER_GETS.labels("hit")._value.get() - owner_hits) / n, 3)  # of the single gets
         index_share = round((OWNER_GETS.labels("index")._value.get() - index_hits) / n, 3)
+        spin_lat, spin_share = [], 0.0
+        if backend == "tcp":  # single gets polling for the owner's answer before sleeping (owner_read_spin_us)
+            spinner = await open_client(client_id="bench-driver-spin", owner_read_spin_us=SPIN_US)
+            for k in keys:  # untimed: it learns each object's owner (the driver's client knew them from its puts)
+                await spinner.get(k)
+            before = OWNER_GETS.labels("hit")._value.get()
+            for k, d in zip(keys, data):
+                t = time.perf_counter()
+                got = await spinner.get(k)
+                spin_lat.append(time.perf_counter() - t)
+                assert got == d, f"get {k} returned wrong bytes"
+            spin_share = round((OWNER_GETS.labels("hit")._value.get() - before) / n, 3)
+            await spinner.close()
         await client.remove(keys)
         bkeys = [f"batch/{i}" for i in range(n)]
         t = time.perf_counter()
@@ -217,7 +233,8 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         return {"put": summarize(put_lat, size), "get": summarize(get_lat, size),
                 "batch_put": throughput(bput, n * size), "batch_get": throughput(bget, n * size),
                 "put_commit_behind": summarize(behind_lat, size, behind_tail), "get_share_by_owner": owner_share,
-                "get_share_by_index": index_share}
+                "get_share_by_index": index_share,
+                **({"get_spin": summarize(spin_lat, size), "get_spin_share_by_owner": spin_share} if spin_lat else {})}
 
     try:
         pipe.send(uvloop.run(main()))
@@ -455,9 +472,9 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per row, the run with the highest MB/s (reps absorb noise from the shared machine); plain
     figures (the share of gets an owner served) as in that best get."""
     out = {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0] if isinstance(runs[0][row], dict)}
-    for share in ("get_share_by_owner", "get_share_by_index"):
+    for share, row in (("get_share_by_owner", "get"), ("get_share_by_index", "get"), ("get_spin_share_by_owner", "get_spin")):
         if share in runs[0]:
-            out[share] = max(runs, key=lambda r: r["get"]["mb_s"])[share]
+            out[share] = max(runs, key=lambda r: r[row]["mb_s"])[share]
     return out
 
 
@@ -534,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                          for name in systems}
         for name in systems:  # our single put with its commit behind, against Mooncake's single put
             out["ratios"][name]["put_commit_behind"] = round(out[name]["put_commit_behind"]["mb_s"] / mc["put"]["mb_s"], 2)
+            if "get_spin" in out[name]:  # our single get polling for its answer, against Mooncake's single get
+                out["ratios"][name]["get_spin"] = round(out[name]["get_spin"]["mb_s"] / mc["get"]["mb_s"], 2)
         out["tcp_ceilings"] = tcp_ceilings(out["floors"], mc)
         out["aims"] = aims(out["ratios"])
     else:
@@ -547,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
           "ours over tcp, over shm (auto) and over tcp with gRPC metadata; Mooncake over tcp; "
           "ratio = MB/s ours / Mooncake")
     print(f"{'row':<17} {'system':<10} {'MB/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'ratio':>7}")
-    for row in ("put", "put_commit_behind", "get", "batch_put", "batch_get"):
+    for row in ("put", "put_commit_behind", "get", "get_spin", "batch_put", "batch_get"):
         for name in (*systems, "mooncake"):
             r = out[name].get(row) if out.get(name) else None
             if r is None:
@@ -557,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
             p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else "-"
             print(f"{row:<17} {name:<10} {r['mb_s']:>9.1f} {p50:>8} {p99:>8} {ratio:>7}")
     shares = ", ".join(f"{name} {out[name]['get_share_by_owner']:.0%}" for name in systems)
-    print(f"gets served by the owner by key (no master): {shares}")
+    spin = ", ".join(f"{name} {out[name]['get_spin_share_by_owner']:.0%}" for name in systems
+                     if "get_spin_share_by_owner" in out[name])
+    print(f"gets served by the owner by key (no master): {shares}" + (f"; polling ones (get_spin): {spin}" if spin else ""))
     shares = ", ".join(f"{name} {out[name]['get_share_by_index']:.0%}" for name in systems)
     print(f"gets copied from the owner's shared-memory index (no round trip): {shares}")
     f = out["floors"]
@@ -587,7 +608,7 @@ AIMS = {"tcp_put": ("ours", "put_commit_behind", 3.0), "tcp_get": ("ours", "get"
 
 def aims(ratios: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
     """Each aim this run measured: the row compared, its ratio, and whether it clears the aim (the plain TCP put,
-    which waits for the master's commit, is named beside the TCP put's)."""
+    which waits for the master's commit, is named beside the TCP put's; the polling get beside the get's)."""
     out: dict[str, dict[str, Any]] = {}
     for name, (system, row, at_least) in AIMS.items():
         ratio = ratios.get(system, {}).get(row)
@@ -596,6 +617,9 @@ def aims(ratios: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
         out[name] = {"row": f"{system}.{row}", "ratio": ratio, "aim": at_least, "met": ratio >= at_least}
         if name == "tcp_put" and "put" in ratios[system]:
             out[name]["note"] = f"the plain put, which waits for the master's commit: {ratios[system]['put']:.2f}x"
+        if name == "tcp_get" and "get_spin" in ratios[system]:
+            out[name]["note"] = (f"the get polling for its answer (owner_read_spin_us={SPIN_US}, a client without an "
+                                 f"engine thread): {ratios[system]['get_spin']:.2f}x")
     return out
 
 

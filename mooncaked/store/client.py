@@ -79,6 +79,9 @@ class StoreClientConfig:
     location_hints: int = 65536  # objects whose last-seen place is kept, so a get copies during its lookup (0: off)
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
     owner_reads_port: int = 0  # where we serve them, on the data plane's host (0: any free port)
+    # poll for an owner's answer this long before sleeping (owner_link.py; 0: off). For a client with no busy
+    # thread beside its event loop (engines leave it off: the spin holds the GIL their engine thread needs)
+    owner_read_spin_us: int = 0
     # put() returns once its bytes landed (`bytes`: once handed over) and its commit is sent (commits_behind.py)
     commit_behind: bool = False
     keep_freed_heap: bool = True  # glibc keeps freed get results' memory for reuse, not faulted in again (heap.py)
@@ -166,7 +169,8 @@ class StoreClient:
             self.staging = Staging(self.transfer, STAGING_REGION, cfg.staging_bytes)
             if cfg.pin_staging:
                 self._unpin = pinned.pin(self.staging.tensor)
-            self._owner_links = OwnerLinks(self.security.token, cfg.transfer_timeout_s) if cfg.owner_reads else None
+            self._owner_links = (OwnerLinks(self.security.token, cfg.transfer_timeout_s, cfg.owner_read_spin_us * 1e-6)
+                                 if cfg.owner_reads else None)
             self._reader = Reader(self.transfer, self.staging, cfg.transfer_timeout_s, self.remove, self._owner_links)
             if self.transfer.backend in ("shm", "auto"):
                 self._shm_host = self.transfer.info().host_id

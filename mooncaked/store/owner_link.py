@@ -7,6 +7,13 @@ is the fallback, so a stalled owner must not hold a get for long. A connection w
 late, or whose caller went away, is dropped at once, so nothing lands later in memory given back.
 An owner that could not be reached, or answered late, is not asked again for DOWN_S: its readers
 go through the master meanwhile.
+
+With a spin budget (`StoreClientConfig.owner_read_spin_us`), a read receives its answer on the
+calling thread, polling the socket, until the answer is in or the budget passes with no byte;
+only then does it wait on the event loop. On a host where waking a sleeping process costs tens
+of µs (docs/performance.md "KV pool"), that saves a wake per read at the price of a CPU spinning
+while the owner answers. Off by default: in an engine the spin holds the GIL its engine thread
+needs, and each poll gives the GIL up to that thread for as long as it likes.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -71,9 +81,31 @@ class _Conn(asyncio.BufferedProtocol):
         self._out: bytes | None = None  # the bytes a read_bytes answer lands in, unseen until checked (fresh_bytes)
         self._scratch = bytearray()  # where such answers land instead off CPython (copied out once checked)
         self._hasher: Hasher | None = None  # hashes such an answer chunk by chunk as it lands
+        self._sock: socket.socket | None = None  # a duplicate of the transport's socket, for spin()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def spin(self, fut: asyncio.Future, budget_s: float) -> None:
+        """Receive answers on this thread, through the protocol's own buffers, until `fut` is settled or
+        `budget_s` passed with no byte to read; the event loop then takes over where this left off."""
+        if self._sock is None:
+            assert self.transport is not None
+            fd = self.transport.get_extra_info("socket").fileno()
+            self._sock = socket.socket(fileno=os.dup(fd))  # non-blocking: the flag is the transport's
+        end = time.perf_counter() + budget_s
+        while not fut.done() and not self.closed:
+            try:
+                n = self._sock.recv_into(self.get_buffer(-1))
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    return
+                continue
+            except OSError:
+                return  # the transport meets the same error and fails the reads
+            if n == 0:
+                return  # end of stream: the transport's connection_lost says so
+            self.buffer_updated(n)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(ConnectionError(f"owner connection lost ({exc or 'closed'})"))
@@ -87,6 +119,9 @@ class _Conn(asyncio.BufferedProtocol):
                 p.fut.set_exception(e)
         if self.transport is not None:
             self.transport.abort()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:
@@ -156,9 +191,10 @@ class _Conn(asyncio.BufferedProtocol):
 class OwnerLinks:
     """Connections to owners by key-server address; `read` asks one owner for some objects."""
 
-    def __init__(self, token: bytes | None, timeout_s: float) -> None:
+    def __init__(self, token: bytes | None, timeout_s: float, spin_s: float = 0.0) -> None:
         self.token = token
         self.timeout_s = timeout_s
+        self.spin_s = spin_s  # receive answers on the caller's thread this long before sleeping (Conn.spin)
         self._conns: dict[str, _Conn] = {}
         self._down_until: dict[str, float] = {}
         self._opening: dict[str, asyncio.Task[_Conn]] = {}
@@ -199,6 +235,8 @@ class OwnerLinks:
                 futs.append(fut)
             assert conn.transport is not None
             conn.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
+            if self.spin_s:
+                conn.spin(futs[-1], self.spin_s)
             await futs[-1]  # answers come in order: the others are settled by now (or the link failed all)
             timer.cancel()
             return [f.result() for f in futs]
