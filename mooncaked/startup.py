@@ -78,8 +78,25 @@ def probe(address: Any) -> OSError | None:
         return None
 
 
+_ANY_HOST = ("0.0.0.0", "::", "")
+
+
+def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Whether two listening addresses would take one port (a wildcard host takes it on every address)."""
+    return a[1] == b[1] and (a[0] == b[0] or a[0] in _ANY_HOST or b[0] in _ANY_HOST)
+
+
 def check_addresses(addresses: list[tuple[str, Any]]) -> None:
-    """Raise the `StartupError` of the first (flag, address) that cannot be listened on; port 0 always can."""
+    """Raise the `StartupError` of two flags naming one port, else of the first (flag, address) that cannot
+    be listened on; port 0 always can. (Two of our own flags on one port used to read as "is another
+    mooncaked running?" once the second bind failed.)"""
+    fixed = [(flag, address, _host_port(address)) for flag, address in addresses
+             if address is not None and _host_port(address)[1] != 0]
+    for i, (flag, address, hp) in enumerate(fixed):
+        for other, other_address, other_hp in fixed[:i]:
+            if _same_port(hp, other_hp):
+                raise StartupError(f"{other} {_show(other_address)} and {flag} {_show(address)} name the same "
+                                   "port: give each its own")
     for flag, address in addresses:
         if address is None or _host_port(address)[1] == 0:
             continue

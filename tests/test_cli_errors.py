@@ -339,3 +339,15 @@ def test_a_backend_this_host_cannot_run_is_one_line_before_any_child_starts(tiny
         result = _mooncaked("--role", role, "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}", *more,
                             *flags, timeout=120)
         _one_line(result, *needles, most=2)
+
+
+def test_two_flags_naming_one_port_is_one_line_naming_both():
+    """Before, the second bind failed and the line asked whether another mooncaked was running."""
+    port = free_port()
+    conductor = _mooncaked("--role", "conductor", "--listen", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{port}",
+                           timeout=60)
+    _one_line(conductor, f"--listen 127.0.0.1:{port} and --http 127.0.0.1:{port} name the same port")
+    all_role = _mooncaked("--role", "all", "--listen", f"127.0.0.1:{free_port()}", "--http", f"127.0.0.1:{port}",
+                          "--metrics", f"0.0.0.0:{port}", "--insecure", timeout=60)
+    text = _one_line(all_role, f"--http 127.0.0.1:{port} and --metrics 0.0.0.0:{port} name the same port")
+    assert "another mooncaked" not in text
