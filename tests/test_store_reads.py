@@ -14,7 +14,7 @@ from store_helpers import client, held, metric, owner_process, start, until
 
 from mooncaked.proto.mooncake.v1 import store_pb2
 from mooncaked.store import reads
-from mooncaked.store.errors import InvalidArgument
+from mooncaked.store.errors import InvalidArgument, StoreUnavailable
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(90)
@@ -221,6 +221,12 @@ async def test_a_pipelined_batch_put_into_places_reserved_ahead_stores_every_obj
             if "owner/dram" in runner.service.master.segments:
                 break
             await asyncio.sleep(0.05)
+        for _ in range(100):  # and the writer's own link is past its reconnect backoff (at most 1 s, RECONNECT_OPTIONS):
+            try:  # until then its calls fail at once, UNAVAILABLE (seen once in CI)
+                await writer.exist("r/warm")
+                break
+            except StoreUnavailable:
+                await asyncio.sleep(0.05)
         again = [(f"r2/{i}", os.urandom(size)) for i in range(reads.PIPELINE_GROUP + 1)]
         assert await writer.batch_put(again) == [True] * len(again)
         assert await reader.batch_get([k for k, _ in again]) == [v for _, v in again]

@@ -208,12 +208,14 @@ def shared_cluster(env: dict[str, str], log_dir: Path, policies: list[str], pref
     procs = Processes(env, log_dir)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        store = f"127.0.0.1:{free_port()}"
-        procs.start("store", "--role", "store", "--listen", store)
-        conductors = {p: f"127.0.0.1:{free_port()}" for p in policies}
-        for p, at in conductors.items():  # each follows the pool (its plans pull from it), as in `--role all`
-            procs.start(f"conductor-{p}", "--role", "conductor", "--policy", p, "--listen", at, "--http",
+        # every server binds a port of its own choosing and prints it: a port picked here and bound later can be
+        # taken in between (another process's outgoing connection; seen once in CI)
+        procs.start("store", "--role", "store", "--listen", "127.0.0.1:0")
+        store = procs.printed("store", r"gRPC on (\S+) \(StoreMaster", deadline)
+        for p in policies:  # each follows the pool (its plans pull from it), as in `--role all`
+            procs.start(f"conductor-{p}", "--role", "conductor", "--policy", p, "--listen", "127.0.0.1:0", "--http",
                         "127.0.0.1:0", "--store", store)
+        conductors = {p: procs.printed(f"conductor-{p}", r"gRPC on (\S+?),", deadline) for p in policies}
         for role, n in (("prefill", prefills), ("decode", decodes)):
             for i in range(n):
                 procs.start(f"{role}-{i}", "--role", role, "--listen", "127.0.0.1:0", "--name", f"{role}-{i}",
