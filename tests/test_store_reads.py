@@ -221,7 +221,7 @@ async def test_a_pipelined_batch_put_into_places_reserved_ahead_stores_every_obj
             if "owner/dram" in runner.service.master.segments:
                 break
             await asyncio.sleep(0.05)
-        for _ in range(100):  # and the writer's own link is past its reconnect backoff (at most 1 s, RECONNECT_OPTIONS):
+        for _ in range(100):  # and the writer's own link is past its reconnect backoff (<= 1 s, RECONNECT_OPTIONS):
             try:  # until then its calls fail at once, UNAVAILABLE (seen once in CI)
                 await writer.exist("r/warm")
                 break
