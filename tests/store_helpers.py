@@ -64,7 +64,7 @@ _OWNER = """
 import asyncio, sys
 from mooncaked.store import StoreClient, StoreClientConfig
 async def main():
-    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id=sys.argv[2], dram_bytes=1 << 20,
+    c = StoreClient(StoreClientConfig(master=sys.argv[1], client_id=sys.argv[2], dram_bytes=int(sys.argv[3]),
                                       ping_interval_s=0.1))
     await c.start()
     print("ready", flush=True)
@@ -77,12 +77,12 @@ asyncio.run(main())
 """
 
 
-def owner_process(addr: str, name: str) -> subprocess.Popen:
-    """A store client lending 1 MiB of DRAM in a process of its own: it prints "ready" once mounted, then
+def owner_process(addr: str, name: str, dram_bytes: int = 1 << 20) -> subprocess.Popen:
+    """A store client lending `dram_bytes` of DRAM in a process of its own: it prints "ready" once mounted, then
     for each key written to its stdin whether its DRAM journal holds it ("held" / "not held")."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen([sys.executable, "-c", _OWNER, addr, name, str(dram_bytes)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
 
 
 async def ask(proc: subprocess.Popen, key: str) -> str:

