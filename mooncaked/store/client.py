@@ -80,7 +80,8 @@ class StoreClientConfig:
     owner_reads: bool = True  # serve our DRAM's objects by key, and get others' from their owner in one round trip
     owner_reads_port: int = 0  # where we serve them, on the data plane's host (0: any free port)
     # poll for an owner's answer this long before sleeping (owner_link.py; 0: off). For a client with no busy
-    # thread beside its event loop (engines leave it off: the spin holds the GIL their engine thread needs)
+    # thread beside its event loop (engines leave it off: the spin holds the GIL their engine thread needs), and
+    # no owner on that loop (it could not answer while the client polls)
     owner_read_spin_us: int = 0
     # put() returns once its bytes landed (`bytes`: once handed over) and its commit is sent (commits_behind.py)
     commit_behind: bool = False

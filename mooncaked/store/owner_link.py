@@ -13,7 +13,8 @@ calling thread, polling the socket, until the answer is in or the budget passes 
 only then does it wait on the event loop. On a host where waking a sleeping process costs tens
 of µs (docs/performance.md "KV pool"), that saves a wake per read at the price of a CPU spinning
 while the owner answers. Off by default: in an engine the spin holds the GIL its engine thread
-needs, and each poll gives the GIL up to that thread for as long as it likes.
+needs, and each poll gives the GIL up to that thread for as long as it likes; and an owner served
+from the polling client's own event loop cannot answer until the poll gives up.
 """
 
 from __future__ import annotations
