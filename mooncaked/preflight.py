@@ -56,7 +56,7 @@ def check_engine_choices(cfg: Any) -> None:
     if cfg.transfer_backend == "rdma":
         from mooncaked.transfer.rdma import unavailable_reason
 
-        if why := unavailable_reason("rdma"):
+        if why := unavailable_reason():
             raise StartupError(f"--transfer-backend rdma: {why}; use tcp, shm or auto")
 
 

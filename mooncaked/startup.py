@@ -78,7 +78,7 @@ def probe(address: Any) -> OSError | None:
         return None
 
 
-_ANY_HOST = ("0.0.0.0", "::", "")
+_ANY_HOST = ("0.0.0.0", "::")
 
 
 def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
@@ -97,9 +97,7 @@ def check_addresses(addresses: list[tuple[str, Any]]) -> None:
             if _same_port(hp, other_hp):
                 raise StartupError(f"{other} {_show(other_address)} and {flag} {_show(address)} name the same "
                                    "port: give each its own")
-    for flag, address in addresses:
-        if address is None or _host_port(address)[1] == 0:
-            continue
+    for flag, address, _ in fixed:
         error = probe(address)
         if error is not None:
             raise bind_error(flag, address, error)

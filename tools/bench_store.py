@@ -168,33 +168,35 @@ def _our_driver(pipe: Connection, master: str, n: int, size: int, batch: int, ba
         for i in range(4):  # warm up connections
             await client.put(f"warm/{i}", data[i])
             await client.get(f"warm/{i}")
-        owner_hits = OWNER_GETS.labels("hit")._value.get()  # after the warm-up: the shares are of the timed gets
-        index_hits = OWNER_GETS.labels("index")._value.get()
-        put_lat, get_lat = [], []
+
+        def served(outcome: str) -> float:
+            return OWNER_GETS.labels(outcome)._value.get()
+
+        async def timed_gets(reader: StoreClient) -> tuple[list[float], float]:
+            """Each single get's seconds, and the share the owner served by key."""
+            hits, lat = served("hit"), []
+            for k, d in zip(keys, data):
+                t = time.perf_counter()
+                got = await reader.get(k)
+                lat.append(time.perf_counter() - t)
+                assert got == d, f"get {k} returned wrong bytes"
+            return lat, round((served("hit") - hits) / n, 3)
+
+        index_hits = served("index")  # after the warm-up: the shares are of the timed gets
+        put_lat = []
         for k, d in zip(keys, data):
             t = time.perf_counter()
             ok = await client.put(k, d)
             put_lat.append(time.perf_counter() - t)
             assert ok, f"put {k} found no room"
-        for k, d in zip(keys, data):
-            t = time.perf_counter()
-            got = await client.get(k)
-            get_lat.append(time.perf_counter() - t)
-            assert got == d, f"get {k} returned wrong bytes"
-        owner_share = round((OWNER_GETS.labels("hit")._value.get() - owner_hits) / n, 3)  # of the single gets
-        index_share = round((OWNER_GETS.labels("index")._value.get() - index_hits) / n, 3)
+        get_lat, owner_share = await timed_gets(client)
+        index_share = round((served("index") - index_hits) / n, 3)
         spin_lat, spin_share = [], 0.0
         if backend == "tcp":  # single gets polling for the owner's answer before sleeping (owner_read_spin_us)
             spinner = await open_client(client_id="bench-driver-spin", owner_read_spin_us=SPIN_US)
             for k in keys:  # untimed: it learns each object's owner (the driver's client knew them from its puts)
                 await spinner.get(k)
-            before = OWNER_GETS.labels("hit")._value.get()
-            for k, d in zip(keys, data):
-                t = time.perf_counter()
-                got = await spinner.get(k)
-                spin_lat.append(time.perf_counter() - t)
-                assert got == d, f"get {k} returned wrong bytes"
-            spin_share = round((OWNER_GETS.labels("hit")._value.get() - before) / n, 3)
+            spin_lat, spin_share = await timed_gets(spinner)
             await spinner.close()
         await client.remove(keys)
         bkeys = [f"batch/{i}" for i in range(n)]
@@ -472,7 +474,8 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per row, the run with the highest MB/s (reps absorb noise from the shared machine); plain
     figures (the share of gets an owner served) as in that best get."""
     out = {row: max((r[row] for r in runs), key=lambda x: x["mb_s"]) for row in runs[0] if isinstance(runs[0][row], dict)}
-    for share, row in (("get_share_by_owner", "get"), ("get_share_by_index", "get"), ("get_spin_share_by_owner", "get_spin")):
+    shares = (("get_share_by_owner", "get"), ("get_share_by_index", "get"), ("get_spin_share_by_owner", "get_spin"))
+    for share, row in shares:
         if share in runs[0]:
             out[share] = max(runs, key=lambda r: r[row]["mb_s"])[share]
     return out
@@ -578,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     shares = ", ".join(f"{name} {out[name]['get_share_by_owner']:.0%}" for name in systems)
     spin = ", ".join(f"{name} {out[name]['get_spin_share_by_owner']:.0%}" for name in systems
                      if "get_spin_share_by_owner" in out[name])
-    print(f"gets served by the owner by key (no master): {shares}" + (f"; polling ones (get_spin): {spin}" if spin else ""))
+    print(f"gets served by the owner by key (no master): {shares}"
+          + (f"; polling ones (get_spin): {spin}" if spin else ""))
     shares = ", ".join(f"{name} {out[name]['get_share_by_index']:.0%}" for name in systems)
     print(f"gets copied from the owner's shared-memory index (no round trip): {shares}")
     f = out["floors"]

@@ -9,7 +9,6 @@ Cross-field checks live in each class's `__post_init__`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import socket
 from collections.abc import Mapping
@@ -23,8 +22,6 @@ from mooncaked.config.values import (_WILDCARD_HOSTS, DEFAULT_ETCD_PREFIX, Confi
 
 if TYPE_CHECKING:
     from mooncaked.engine.config import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 
 POLICIES = ("random", "round_robin", "load_balance", "cache_aware_local", "mooncake", "mooncaked_static",

@@ -7,15 +7,12 @@ value, and raises ValueError saying what is expected; `load_config` adds the key
 from __future__ import annotations
 
 import ipaddress
-import logging
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, NamedTuple
-
-logger = logging.getLogger(__name__)
 
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})

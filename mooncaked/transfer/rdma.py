@@ -14,6 +14,7 @@ deadline abandons the wait, not the call.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 from collections import Counter
@@ -46,17 +47,15 @@ def rdma_devices() -> list[str]:
         return []
 
 
-def unavailable_reason(protocol: str = "rdma") -> str | None:
-    """Why Mooncake's engine cannot run `protocol` here, or None, without importing it (a start-up check)."""
-    import importlib.util
-
+def unavailable_reason() -> str | None:
+    """Why the rdma backend cannot run here, or None, without importing Mooncake (a start-up check)."""
     try:
         found = importlib.util.find_spec("mooncake.engine") is not None
     except ImportError:  # no `mooncake` package at all
         found = False
     if not found:
         return f"{NEEDS}: mooncake-transfer-engine is not installed"
-    if protocol == "rdma" and not rdma_devices():
+    if not rdma_devices():
         return f"{NEEDS}: no RDMA device under {SYSFS_RDMA} on this host"
     return None
 
