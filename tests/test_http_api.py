@@ -184,8 +184,18 @@ BAD = [
 ]
 
 
+async def _samples(http) -> dict[str, float]:
+    async with http.get("/metrics") as r:
+        assert r.status == 200
+        return {name: float(value) for name, value in
+                (line.rsplit(" ", 1) for line in (await r.text()).splitlines() if line and not line.startswith("#"))}
+
+
 async def test_bad_requests_get_400_and_the_server_keeps_serving(cluster, http):
     model = _model(cluster)
+    counted = ('mooncaked_conductor_requests_total{front="http",outcome="rejected"}',
+               'mooncaked_conductor_rejections_total{reason="invalid_argument"}')
+    before = await _samples(http)
     for path, body, param in BAD:
         if isinstance(body, dict):  # cases about the model send their own; the others the served one
             data = json.dumps(body if param == "model" else {"model": model, **body}).encode()
@@ -201,6 +211,8 @@ async def test_bad_requests_get_400_and_the_server_keeps_serving(cluster, http):
     async with http.post("/v1/completions", json={"model": "gpt-4", "prompt": "t5"}) as r:
         err = (await r.json())["error"]
         assert r.status == 404 and err["code"] == "model_not_found" and err["param"] == "model", err
+    after = await _samples(http)  # each refusal counted once as a request, once as a rejection
+    assert [after.get(name, 0) - before.get(name, 0) for name in counted] == [len(BAD) + 1] * 2
     # ignore_eos: sampled at temperature 1, the tiny random model draws its EOS now and then
     async with http.post("/v1/completions", json={"model": model, "prompt": "t5 t6", "max_tokens": 3,
                                                   "ignore_eos": True}) as r:
@@ -258,6 +270,8 @@ def test_status_table_maps_rejection_and_unavailability():
     assert api_error(errors.Rejected("TTFT SLO", "ttft_slo")).status == 429
     assert api_error(errors.NoInstance("none", "prefill")).status == 503
     assert api_error(errors.BadRequest("bad")).status == 400
+    too_long = api_error(errors.too_long(9, 8))  # OpenAI's code, as the token-id check gives it
+    assert (too_long.status, too_long.code) == (400, "context_length_exceeded") and "9 tokens" in too_long.message
     assert api_error(errors.PeerFailed("boom", "p1", "internal")).status == 500
 
 

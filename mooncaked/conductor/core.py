@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from mooncaked.conductor import metrics
 from mooncaked.conductor.engine_link import CANCELLED, NOT_FOUND, UNAVAILABLE, EngineError
-from mooncaked.conductor.errors import BadRequest, ConductorError, PeerFailed, metric_reason
+from mooncaked.conductor.errors import BadRequest, ConductorError, PeerFailed, metric_reason, too_long
 from mooncaked.conductor.membership import Membership
 from mooncaked.conductor.placement import Placement
-from mooncaked.conductor.prompt_tokenizer import PromptTokenizer
+from mooncaked.conductor.prompt_tokenizer import PromptTokenizer, TextTooLong
 from mooncaked.conductor.registry import Connect
 from mooncaked.conductor.router import SchedulerState
 from mooncaked.conductor.waiting import Deadline
@@ -107,8 +107,7 @@ class Conductor(Membership):
         try:
             if spec.token_ids is not None:
                 if len(spec.token_ids) >= limit:
-                    raise BadRequest(f"the prompt has {len(spec.token_ids)} tokens; the model's context is {limit} "
-                                     "tokens")
+                    raise too_long(len(spec.token_ids), limit)
                 ids = list(spec.token_ids)
                 vocab = self.model_config.vocab_size
                 if any(t >= vocab or t < 0 for t in ids):
@@ -125,11 +124,11 @@ class Conductor(Membership):
             else:
                 raise BadRequest("give a prompt, token_ids or messages")
         except ValueError as e:  # the engine's RequestError: a prompt it cannot take
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), "context_length_exceeded" if isinstance(e, TextTooLong) else None) from None
         if not ids:
             raise BadRequest("the prompt is empty")
         if len(ids) >= limit:
-            raise BadRequest(f"the prompt has {len(ids)} tokens; the model's context is {limit} tokens")
+            raise too_long(len(ids), limit)
         return ids
 
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Chunk]:

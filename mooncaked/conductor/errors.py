@@ -18,7 +18,19 @@ class ConductorError(Exception):
 
 
 class BadRequest(ConductorError):
-    """The request itself is wrong (empty prompt, bad sampling, too long): fix it and ask again."""
+    """The request itself is wrong (empty prompt, bad sampling, too long): fix it and ask again.
+
+    ``code`` is OpenAI's machine-readable code where it has one (``context_length_exceeded``)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def too_long(prompt_tokens: int, context: int) -> BadRequest:
+    """A prompt that leaves no room in the context for the token it asks for."""
+    return BadRequest(f"the prompt has {prompt_tokens} tokens; the model's context is {context} tokens, which must "
+                      "hold the prompt and at least one new token", "context_length_exceeded")
 
 
 class Rejected(ConductorError):

@@ -69,6 +69,8 @@ def api_error(e: errors.ConductorError) -> ApiError:
         status, type_, code = PEER_STATUS_MAP.get(e.kind, _UNAVAILABLE)
     else:
         status, type_, code = STATUS_MAP.get(type(e), (500, "server_error", "internal_error"))
+        if isinstance(e, errors.BadRequest) and e.code:
+            code = e.code
     return ApiError(status, str(e) or type(e).__name__, type_, None, code)
 
 
@@ -139,7 +141,7 @@ class HttpFront:
         try:
             return parse(await self.body(request), self.served)
         except ApiError:
-            metrics.rejected("invalid_argument")  # refused before the request path saw it
+            metrics.refused("http", "invalid_argument")  # refused before the request path saw it
             raise
 
     @functools.cached_property

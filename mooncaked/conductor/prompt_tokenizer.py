@@ -145,6 +145,10 @@ def read_chars_per_token(model_dir: Path) -> float | None:
     return chars_per_token(spec) if isinstance(spec, dict) else None
 
 
+class TextTooLong(RequestError):
+    """A prompt whose characters alone cannot fit in the context (refused before tokenizing)."""
+
+
 @dataclass
 class PromptTokenizer:
     """Prompt text -> token ids in a bounded thread pool, refusing text too long to fit first.
@@ -178,9 +182,9 @@ class PromptTokenizer:
     def check_chars(self, text: str, what: str = "the prompt") -> None:
         limit = self.max_chars
         if limit is not None and len(text) > limit:
-            raise RequestError(f"{what} is too long: {len(text)} characters cannot fit in the model's context of "
-                               f"{self.max_context} tokens (this tokenizer's tokens hold at most "
-                               f"{self.chars_per_token:g} characters each)")
+            raise TextTooLong(f"{what} is too long: {len(text)} characters cannot fit in the model's context of "
+                              f"{self.max_context} tokens (this tokenizer's tokens hold at most "
+                              f"{self.chars_per_token:g} characters each)")
 
     async def encode(self, text: str) -> list[int]:
         """Plain text (no chat template)."""
