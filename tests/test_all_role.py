@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -95,6 +96,15 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
         children = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                        text=True).stdout.split()]
         assert len(children) >= 3, f"expected the store master, prefill and decode as children: {children}"
+        titles = {}  # what ps shows: each child says what it is and whose (proc_title.py)
+        for pid in children:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            if "resource_tracker" not in title:  # multiprocessing's own helper
+                titles[title.split()[1]] = title
+        assert sorted(titles) == ["conductor", "decode", "prefill", "store"], titles
+        for role, title in titles.items():
+            assert re.fullmatch(rf"mooncaked {role} {role}-127\.0\.0\.1-\d+ \(of mooncaked --role all, pid "
+                                rf"{proc.pid}\)", title), title
         status = _ctl(conductor, "status", "--json")
         assert status.returncode == 0, status.stderr
         instances = json.loads(status.stdout)["instances"]

@@ -84,6 +84,8 @@ def test_bytes_land_both_ways_through_the_io_process_with_typed_errors() -> None
         try:
             pid = io.stats().io_process_pid
             assert pid is not None and pid != os.getpid() and _alive(pid)
+            with open(f"/proc/{pid}/cmdline", "rb") as f:  # what ps shows: what it is, whose (proc_title.py)
+                assert f.read().rstrip(b"\0") == f"mooncaked transfer-io (of pid {os.getpid()})".encode()
             n = 8 * MiB
             src = io.alloc_region("src", n)
             src.copy_(rand_bytes(n, 1))

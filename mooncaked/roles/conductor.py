@@ -11,6 +11,7 @@ import logging
 
 import grpc
 
+from mooncaked import proc_title
 from mooncaked.conductor import errors, metrics
 from mooncaked.conductor.core import Conductor
 from mooncaked.conductor.early_rejection import SLO
@@ -161,6 +162,7 @@ async def run_conductor_role(cfg) -> int:
                                 http_address=str(HostPort(cfg.advertise_address.host, http_port)),
                                 policy=cfg.policy, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
                                 ready_timeout_s=cfg.ready_timeout_s)
+    proc_title.name_known(cfg.role, cfg.instance_name(port))
     print(f"mooncaked conductor {cfg.instance_name(port)}: gRPC on {grpc_at}, HTTP on {http_at}, "
           f"model {model_dir.name}, KV pool {cfg.store or 'none'}; security: {security.mode}"
           f"{', HTTPS' if security.tls else ''}{', API key' if cfg.api_key else ''}", flush=True)

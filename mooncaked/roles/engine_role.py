@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from mooncaked import proc_title
 from mooncaked.config import WorkerConfig
 from mooncaked.engine import Engine
 from mooncaked.engine.engine_thread import build_on_engine_thread
@@ -73,6 +74,7 @@ async def run_engine_role(cfg: WorkerConfig, role: str) -> int:
     # HOST:0, as under --role all, learns it only now); the pool's segments are named after it too
     cfg = dataclasses.replace(cfg, name=cfg.instance_name(port))
     service.name = cfg.name
+    proc_title.name_known(cfg.role, cfg.name)
     try:
         store = await _start_store_client(cfg, transfer, security) if cfg.store is not None else None
     except StartupError:

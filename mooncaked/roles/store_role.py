@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from mooncaked import proc_title
 from mooncaked.config import HostPort, StoreConfig, StorePolicyConfig
 from mooncaked.rpc import sd_notify
 from mooncaked.security import Security
@@ -42,6 +43,7 @@ async def run_store_role(cfg: StoreConfig) -> int:
     address = f"{cfg.advertise_address.host}:{port}"
     name = cfg.instance_name(port)
     runner.service.name = name
+    proc_title.name_known(cfg.role, name)
     fast = runner.service.fast_path_port
     leadership = campaign = None
     if cfg.etcd:

@@ -25,6 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from mooncaked import proc_title
 from mooncaked.transfer.api import TransferError, check_bounds
 from mooncaked.transfer.io_wire import encode_error, frame, recv_frame
 from mooncaked.transfer.private_memory import DESCRIPTOR_TIMEOUT_S, receive_mapping
@@ -151,6 +152,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s transfer-io[%(process)d] %(levelname)s %(message)s")
     _die_with_parent()
+    proc_title.set_child("transfer-io", f"pid {os.getppid()}")
     # the engine says when we end (end of stream; we die with it): a terminal's Ctrl-C reaches its whole
     # process group, us included, while the engine drains through us
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,28 @@
+"""What `ps`, `top` and `pgrep -f` show for the processes mooncaked starts itself.
+
+A child of `--role all` is a `multiprocessing` spawn, so its command line reads
+`python -c from multiprocessing.spawn import spawn_main ...`; a transfer I/O process reads
+`python -m mooncaked.transfer.io_worker 18 20`. Neither says what it is or whose it is, so an
+operator cannot tell which process to look at. These set a title that does (setproctitle: the
+command line `ps` shows, and the 15-character name `top` shows). A daemon started by hand or by
+systemd keeps its own command line: its flags are what an operator wants to see there.
+"""
+
+from __future__ import annotations
+
+import setproctitle
+
+_of = ""  # " (of ...)": whose process this is, kept when the title later names the instance
+
+
+def set_child(role: str, parent: str) -> None:
+    """Title a process mooncaked started: `mooncaked ROLE (of PARENT)`."""
+    global _of
+    _of = f" (of {parent})"
+    setproctitle.setproctitle(f"mooncaked {role}{_of}")
+
+
+def name_known(role: str, name: str) -> None:
+    """A child's instance name, once its server bound its port: `mooncaked ROLE NAME (of PARENT)`."""
+    if _of:
+        setproctitle.setproctitle(f"mooncaked {role} {name}{_of}")
