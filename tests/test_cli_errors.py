@@ -257,6 +257,17 @@ def test_generate_on_cuda_without_cuda_is_one_line(tiny_model_factory):
     _one_line(result, "--device cpu", most=2)
 
 
+def test_generate_takes_the_engine_settings_as_the_roles_do(tiny_model_factory):
+    """A size like 8MiB and --quantize, as `--role prefill` takes them; a bad value is argparse's one line."""
+    _, folder = tiny_model_factory("llama")
+    ok = _mooncaked("generate", "--model", str(folder), "--kv-cache-bytes", "8MiB", "--quantize", "int8", "--raw",
+                    "--max-tokens", "3", "t1 t2")
+    assert ok.returncode == 0 and "finish=" in ok.stderr, ok.stderr
+    _one_line(_mooncaked("generate", "--kv-cache-bytes", "2Gx", "hi"), "--kv-cache-bytes", "'2Gx'")
+    _one_line(_mooncaked("generate", "--quantize", "int3", "hi"), "--quantize", "'int3'")
+    _one_line(_mooncaked("generate", "--dtype", "fp8", "hi"), "--dtype", "'fp8'")
+
+
 def test_a_role_with_a_missing_model_is_one_line(tmp_path):
     for role in ("conductor", "prefill"):
         result = _mooncaked("--role", role, "--model", "/no/such/dir", "--listen", f"127.0.0.1:{free_port()}",

@@ -31,6 +31,12 @@ TRANSFER_BACKENDS: tuple[str, ...] = ("tcp", "shm", "auto", "rdma")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "flash", "torch")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float", "bfloat16", "float16", "half")
 QUANTIZE_MODES: tuple[str, ...] = ("none", "bf16", "int8", "int4", "fp16")  # mooncaked/engine/quant.py
+# shared with `mooncaked generate` (cli.py), which takes the same two engine settings
+DTYPE_HELP = ("auto, float32, bfloat16 or float16 (default auto: on CPU fp32 activations with bf16 weights where "
+              "the CPU has native bf16, fp16 weights on AVX2, else fp32; on GPU the model's own); float32 is the "
+              "exact path, equal to transformers")
+QUANTIZE_HELP = ("weight-only quantization of the linear layers on CPU: none (the dtype's weights), bf16, int8, "
+                 "int4 or fp16 (fewer bytes per token)")
 LOG_LEVELS: tuple[str, ...] = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # what each choice means, shown by --help (policies: mooncaked/conductor/policies.py)
@@ -175,14 +181,8 @@ class WorkerConfig(RoleConfig):
     """An engine's settings (prefill or decode): model runner, KV memory, data plane, pool capacity."""
 
     device: str = _setting("cpu", _str, "torch device the model runs on: cpu, cuda, cuda:1", "DEVICE")
-    dtype: str | None = _setting(None, _optional(_choice(DTYPES)),
-                                 "auto, float32, bfloat16 or float16 (default auto: on CPU fp32 activations "
-                                 "with bf16 weights where the CPU has native bf16, fp16 weights on AVX2, "
-                                 "else fp32; on GPU the model's own); float32 is the exact path, equal to "
-                                 "transformers", "DTYPE")
-    quantize: str = _setting("none", _choice(QUANTIZE_MODES),
-                             "weight-only quantization of the linear layers on CPU: none (the dtype's "
-                             "weights), bf16, int8, int4 or fp16 (fewer bytes per token)", "MODE")
+    dtype: str | None = _setting(None, _optional(_choice(DTYPES)), DTYPE_HELP, "DTYPE")
+    quantize: str = _setting("none", _choice(QUANTIZE_MODES), QUANTIZE_HELP, "MODE")
     kv_cache_bytes: int | None = _setting(None, _optional(_at_least(parse_size, 1)),
                                           "bytes of KV cache, e.g. 2GiB (default: a share of free GPU "
                                           "memory, or 1GiB on CPU)", "SIZE")
