@@ -172,6 +172,21 @@ def test_penalties_reach_the_engine(cluster, engine, client):
     assert r.choices[0].text == want.text
 
 
+def test_logit_bias_reaches_both_engines(cluster, engine, client):
+    """The prefill samples the first token and the decode the rest: both must add the bias."""
+    ids = random_prompts([12], seed=83)[0]
+    plain = engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[3]: -100.0, 9: 2.5}
+    want = engine.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True, logit_bias=bias))[0]
+    assert want.token_ids[0] != plain.token_ids[0] and plain.token_ids[0] not in want.token_ids
+    r = client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=8, temperature=0,
+                                  logit_bias={str(t): b for t, b in bias.items()}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text
+    forced = client.chat.completions.create(model=_alias(cluster), messages=[{"role": "user", "content": "t5"}],
+                                            max_tokens=5, logit_bias={"7": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].message.content == " ".join([_word(7)] * 5)
+
+
 def test_stop_strings_end_the_answer_streaming_or_not(cluster, engine, client):
     ids = random_prompts([10], seed=82)[0]
     free = engine.generate([ids], SamplingParams(max_tokens=10, ignore_eos=True))[0]
@@ -208,7 +223,12 @@ def test_unknown_model_is_not_found(client):
 
 
 UNSUPPORTED = [
-    ("completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"-5": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": "up"}}, "logit_bias"),
+    ("completions", {"logit_bias": {"999999": 1}}, "logit_bias"),
+    ("completions", {"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+    ("chat", {"logit_bias": [5, 1]}, "logit_bias"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "t9"}, "suffix"),
     ("completions", {"logprobs": 6}, "logprobs"),

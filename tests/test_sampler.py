@@ -90,7 +90,29 @@ def test_banned_tokens_are_not_chosen_but_logprobs_stay_raw():
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits, -1)[0, out.token_ids[0]].item())
 
 
+def test_logit_bias_is_added_to_its_row_only_and_logprobs_stay_raw():
+    logits = _logits(3, seed=4)
+    before = logits.clone()
+    # an id past the vocabulary biases nothing
+    bias = {int(logits[1].argmin()): 100.0, int(logits[1].argmax()): -100.0, V + 5: 50.0}
+    params = [SamplingParams(), SamplingParams(logit_bias=bias, logprobs=True),
+              SamplingParams(logit_bias={2: 1.5}, temperature=0.8, seed=1)]
+    gens = [None, None, torch.Generator().manual_seed(5)]
+    out = sample(logits, params, gens)
+    assert out.token_ids[0] == logits[0].argmax().item()  # unbiased rows as before
+    assert out.token_ids[1] == logits[1].argmin().item()  # +100 beats any gap these logits have
+    assert out.logprobs[1] == pytest.approx(torch.log_softmax(logits, -1)[1, out.token_ids[1]].item())
+    assert torch.equal(logits, before)  # biased on a copy
+    # a sampled row draws from softmax((logits + bias) / T): the same draw as unbiased logits shifted by hand
+    shifted = logits.clone()
+    shifted[2, 2] += 1.5
+    again = sample(shifted[2:], [SamplingParams(temperature=0.8, seed=1)], [torch.Generator().manual_seed(5)])
+    assert out.token_ids[2] == again.token_ids[0]
+
+
 @pytest.mark.parametrize("kw, what", [
+    (dict(logit_bias={1: 100.5}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={1: math.nan}), "logit_bias"), (dict(logit_bias={t: 1.0 for t in range(301)}), "logit_bias"),
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=math.inf), "repetition_penalty"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(top_logprobs=2), "top_logprobs"),

@@ -20,6 +20,7 @@ from typing import Any
 
 from mooncaked.conductor.core import GenerateSpec
 from mooncaked.engine import RequestError, SamplingParams
+from mooncaked.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request: each is a request of its own on the cluster
@@ -197,6 +198,7 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -
     repetition = _number(body, "repetition_penalty", 0.0, math.inf, "greater than 0 (1 is off)", lo_open=True)
     p = SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+        logit_bias=_logit_bias(body, served),
         top_k=0 if top_k in (None, -1) else top_k, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
         seed=seed, stop=list(stop), stop_token_ids=list(stop_ids), ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True), presence_penalty=presence or 0.0,
@@ -206,6 +208,24 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -
     except RequestError as e:  # a combination the engine cannot honour
         raise bad(str(e)) from None
     return p
+
+
+def _logit_bias(body: dict, served: ServedModel) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON object keys, so strings) to a bias in [-100, 100]."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    what = (f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids in [0, {served.vocab_size}) to numbers in "
+            f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:  # counted before looked at
+        raise bad(what, "logit_bias")
+    out = {}
+    for k, b in v.items():
+        t = int(k) if isinstance(k, str) and k.isascii() and k.isdecimal() and len(k) <= 10 else -1
+        if not 0 <= t < served.vocab_size or not _is_number(b) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+            raise bad(f"{what}; got {_short(k)}: {_short(b)}", "logit_bias")
+        out[t] = float(b)
+    return out
 
 
 def _n(body: dict) -> int:
@@ -231,7 +251,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-_COMMON_UNSUPPORTED = {"logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+_COMMON_UNSUPPORTED = {"tools": (None, []), "functions": (None, []),
                        "response_format": (None, {"type": "text"})}
 
 

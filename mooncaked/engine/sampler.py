@@ -2,9 +2,10 @@
 for the all-greedy batch beyond reading the chosen ids.
 
 Order, as vLLM's: log-probs are taken from the raw logits (the model's own distribution, before
-min_tokens bans, penalties, temperature or top-k/p/min-p filtering: vLLM's default
-``raw_logprobs``), so they mean the same whatever the request's sampling settings; then banned
-tokens are masked, penalties applied (repetition, then frequency and presence), and the token is
+min_tokens bans, logit_bias, penalties, temperature or top-k/p/min-p filtering: vLLM's default
+``raw_logprobs``), so they mean the same whatever the request's sampling settings; then
+logit_bias is added, banned tokens are masked, penalties applied (repetition, then frequency and
+presence), and the token is
 chosen: argmax when greedy (penalties apply there too, as in HF and vLLM), otherwise temperature,
 top-k, min-p, top-p and a draw.
 
@@ -68,8 +69,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     masked = bool(banned) and any(banned)  # type: ignore[arg-type]
     penalized = [i for i, p in enumerate(params) if p.penalized]
-    x = logits.clone() if masked or penalized else logits
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    x = logits.clone() if masked or penalized or biased else logits
     vocab = x.shape[-1]
+    for i in biased:  # ids past the vocabulary bias nothing (the HTTP front refuses them)
+        bias = {t: b for t, b in params[i].logit_bias.items() if t < vocab}
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=x.device)
+            x[i, ids] += torch.tensor(list(bias.values()), dtype=x.dtype, device=x.device)
     if masked:
         for i, ids in enumerate(banned):  # type: ignore[arg-type]
             if ids:

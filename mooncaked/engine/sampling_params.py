@@ -10,6 +10,8 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API: the sampler's top-k of the log-pr
 # overflows float32 (1e-40 turned every logit into inf and the probabilities into NaN): such rows are greedy
 TEMPERATURE_FLOOR = 1e-5
 MAX_SEED = (1 << 64) - 1  # torch.Generator takes 64-bit seeds
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's own bound): each costs the sampler an index
+LOGIT_BIAS_RANGE = 100.0  # as OpenAI: -100 all but bans a token, +100 all but forces it
 
 
 class RequestError(ValueError):
@@ -34,6 +36,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this times how often a token was generated
     repetition_penalty: float = 1.0  # HF/vLLM: prompt and generated tokens' logits shrink by this factor
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI: added to these tokens' logits
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,12 @@ class SamplingParams:
                 raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
+        for t, b in self.logit_bias.items():
+            if not _integer(t) or t < 0 or not _finite(b) or not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+                raise RequestError(f"logit_bias maps token ids (integers >= 0) to numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                                   f"{LOGIT_BIAS_RANGE:g}]; got {t!r}: {b!r}")
 
     @property
     def greedy(self) -> bool:
