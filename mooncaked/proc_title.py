@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import setproctitle
 
-_of = ""  # " (of ...)": whose process this is, kept when the title later names the instance
-
 
 def set_child(role: str, parent: str) -> None:
     """Title a process mooncaked started: `mooncaked ROLE (of PARENT)`."""
-    global _of
-    _of = f" (of {parent})"
-    setproctitle.setproctitle(f"mooncaked {role}{_of}")
+    setproctitle.setproctitle(f"mooncaked {role} (of {parent})")
 
 
 def name_known(role: str, name: str) -> None:
-    """A child's instance name, once its server bound its port: `mooncaked ROLE NAME (of PARENT)`."""
-    if _of:
-        setproctitle.setproctitle(f"mooncaked {role} {name}{_of}")
+    """A child's instance name, once its server bound its port: `mooncaked ROLE NAME (of PARENT)`. A process
+    set_child did not title keeps its own command line."""
+    head = f"mooncaked {role} (of "
+    title = setproctitle.getproctitle()
+    if title.startswith(head):
+        setproctitle.setproctitle(f"mooncaked {role} {name} (of {title[len(head):]}")
