@@ -3,11 +3,10 @@ for the all-greedy batch beyond reading the chosen ids.
 
 Order, as vLLM's: log-probs are taken from the raw logits (the model's own distribution, before
 min_tokens bans, logit_bias, penalties, temperature or top-k/p/min-p filtering: vLLM's default
-``raw_logprobs``), so they mean the same whatever the request's sampling settings; then
-logit_bias is added, banned tokens are masked, penalties applied (repetition, then frequency and
-presence), and the token is
-chosen: argmax when greedy (penalties apply there too, as in HF and vLLM), otherwise temperature,
-top-k, min-p, top-p and a draw.
+``raw_logprobs``), so they mean the same whatever the request's sampling settings; then logit_bias
+is added, banned tokens are masked, penalties applied (repetition, then frequency and presence),
+and the token is chosen: argmax when greedy (penalties and biases apply there too, as in HF and
+vLLM), otherwise temperature, top-k, min-p, top-p and a draw.
 
 Numerically safe for any settings ``SamplingParams`` accepts: sampling runs in float32, the
 logits are shifted so their maximum is 0 before the temperature divides them (nothing

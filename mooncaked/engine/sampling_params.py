@@ -10,7 +10,7 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API: the sampler's top-k of the log-pr
 # overflows float32 (1e-40 turned every logit into inf and the probabilities into NaN): such rows are greedy
 TEMPERATURE_FLOOR = 1e-5
 MAX_SEED = (1 << 64) - 1  # torch.Generator takes 64-bit seeds
-MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's own bound): each costs the sampler an index
+MAX_LOGIT_BIAS = 300  # tokens one request may bias: a map is bounded before it is read, each entry costs an index
 LOGIT_BIAS_RANGE = 100.0  # as OpenAI: -100 all but bans a token, +100 all but forces it
 
 
