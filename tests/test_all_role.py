@@ -103,8 +103,11 @@ def test_all_role_serves_mooncakectl_and_notifies_systemd(tiny_model_factory, tm
                 titles[title.split()[1]] = title
         assert sorted(titles) == ["conductor", "decode", "prefill", "store"], titles
         for role, title in titles.items():
-            assert re.fullmatch(rf"mooncaked {role} {role}-127\.0\.0\.1-\d+ \(of mooncaked --role all, pid "
-                                rf"{proc.pid}\)", title), title
+            assert re.fullmatch(rf"mooncaked {role} {role}-127\.0\.0\.1-\d+ \(of pid {proc.pid}\)", title), title
+        # `pkill -f 'mooncaked --role all'` must reach the parent alone, which stops the children in order
+        matching = {int(p) for p in subprocess.run(["pgrep", "-f", "mooncaked.* --role all"], capture_output=True,
+                                                   text=True).stdout.split()}
+        assert proc.pid in matching and not matching & set(children), (matching, titles)
         status = _ctl(conductor, "status", "--json")
         assert status.returncode == 0, status.stderr
         instances = json.loads(status.stdout)["instances"]
