@@ -162,7 +162,7 @@ BAD = [
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": [5, 999]}, "prompt"),
     ("completions", {"prompt": [5, -1]}, "prompt"),
-    ("completions", {"prompt": ["t5", "t6"]}, "prompt"),
+    ("completions", {"prompt": ["t5", 6]}, "prompt"),  # neither a batch nor token ids
     ("completions", {"prompt": "t5", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "t5", "max_tokens": True}, "max_tokens"),
     ("completions", {"prompt": "t5", "max_tokens": 10**9}, "max_tokens"),

@@ -172,6 +172,29 @@ def test_penalties_reach_the_engine(cluster, engine, client):
     assert r.choices[0].text == want.text
 
 
+def test_a_batch_of_prompts_answers_each_prompt_in_order(cluster, engine, client):
+    """OpenAI's batched completions: choice k * n + i is prompt k's i-th; usage counts each prompt once."""
+    prompts = random_prompts([7, 9, 5], seed=84)
+    want = [engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0].text for ids in prompts]
+    r = client.completions.create(model=_alias(cluster), prompt=prompts, max_tokens=4, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [w for w in want for _ in range(2)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (7 + 9 + 5, 6 * 4)
+    # text prompts, echoed and streamed: each choice as the prompt asked alone
+    texts = ["t5 t6", "t7 t8 t9"]
+    args = dict(model=_alias(cluster), max_tokens=3, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    alone = [client.completions.create(prompt=t, **args) for t in texts]
+    got, use = ["", ""], None
+    for chunk in client.completions.create(prompt=texts, stream=True, stream_options={"include_usage": True},
+                                           **args):
+        for c in chunk.choices:
+            got[c.index] += c.text
+        use = chunk.usage or use
+    assert got == [a.choices[0].text for a in alone] and got[1].startswith("t7 t8 t9")
+    assert use.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and use.completion_tokens == 6
+
+
 def test_logit_bias_reaches_both_engines(cluster, engine, client):
     """The prefill samples the first token and the decode the rest: both must add the bias."""
     ids = random_prompts([12], seed=83)[0]
@@ -223,6 +246,9 @@ def test_unknown_model_is_not_found(client):
 
 
 UNSUPPORTED = [
+    ("completions", {"prompt": ["t5"] * 33, "n": 2}, "prompt"),  # 66 choices: over MAX_CHOICES
+    ("completions", {"prompt": ["t5", ""]}, "prompt[1]"),
+    ("completions", {"prompt": ["t5", [5, 10 ** 9]]}, "prompt[1]"),
     ("completions", {"logit_bias": {"-5": 1}}, "logit_bias"),
     ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("completions", {"logit_bias": {"5": "up"}}, "logit_bias"),

@@ -27,7 +27,7 @@ from mooncaked.conductor.kv_indexer import KVIndexer
 from mooncaked.conductor.fanout import first_chunks, merged
 from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
 from mooncaked.conductor.json_body import decode_json
-from mooncaked.conductor.openai_response import Responder, TokenTexts, usage
+from mooncaked.conductor.openai_response import Responder, TokenTexts, batch_usage
 from mooncaked.conductor.openai_schema import ApiError, OpenAIRequest, ServedModel, parse_chat, parse_completion
 from mooncaked.role_metrics import registry_for
 from mooncaked.security import TOKEN_HEADER, Security
@@ -149,18 +149,18 @@ class HttpFront:
         """Token id -> text for log-probs, with the conductor's tokenizer."""
         return TokenTexts(lambda ids: self.conductor.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _prompt_text(self, spec: OpenAIRequest) -> str:
-        """What ``echo`` puts before the answer: the prompt as sent, or its token ids decoded."""
+    def _prompt_texts(self, spec: OpenAIRequest) -> list[str]:
+        """What ``echo`` puts before each prompt's answers: the prompt as sent, or its token ids decoded."""
         if not spec.echo:
-            return ""
-        if spec.spec.prompt is not None:
-            return spec.spec.prompt
-        return self.conductor.tokenizer.decode(list(spec.spec.token_ids or []), skip_special_tokens=False)
+            return [""] * len(spec.prompts)
+        return [p.prompt if p.prompt is not None else
+                self.conductor.tokenizer.decode(list(p.token_ids or []), skip_special_tokens=False)
+                for p in spec.prompts]
 
     async def _generate(self, request: web.Request, spec: OpenAIRequest) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
             streams = []
-            for one in spec.choice_specs():  # n > 1: one request per choice (fanout.py)
+            for one in spec.choice_specs():  # n > 1 or a batch of prompts: one request per choice (fanout.py)
                 stream = self.conductor.generate(one)
                 stack.push_async_callback(stream.aclose)
                 streams.append(stream)
@@ -174,7 +174,7 @@ class HttpFront:
                 raise ApiError(500, "the request produced no tokens", "server_error")
             rest = merged(streams)
             stack.push_async_callback(rest.aclose)  # closed before the streams it reads
-            out = Responder(spec, firsts[0].request_id, self.texts, self._prompt_text(spec))
+            out = Responder(spec, firsts[0].request_id, self.texts, self._prompt_texts(spec))
             if spec.stream:
                 return await self._sse(request, out, firsts, rest)
             chunks = [[f] for f in firsts]
@@ -183,8 +183,7 @@ class HttpFront:
                     chunks[i].append(c)
             except errors.ConductorError as e:
                 raise api_error(e) from None
-        use = usage(firsts[0].prompt_tokens, sum(len(c.token_ids) for cs in chunks for c in cs),
-                    firsts[0].cached_tokens)
+        use = batch_usage(firsts, spec.n, sum(len(c.token_ids) for cs in chunks for c in cs))
         return web.json_response(out.response([Chunk.join(cs) for cs in chunks], use))
 
     async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
@@ -209,7 +208,7 @@ class HttpFront:
                 await send(api_error(e).body())
             else:
                 if out.spec.include_usage:
-                    await send(out.usage_chunk(usage(firsts[0].prompt_tokens, n_tokens, firsts[0].cached_tokens)))
+                    await send(out.usage_chunk(batch_usage(firsts, out.spec.n, n_tokens)))
             await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:

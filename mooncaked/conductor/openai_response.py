@@ -19,6 +19,13 @@ from mooncaked.proto.mooncake.v1 import conductor_pb2
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM answers this instead
 
 
+def batch_usage(firsts: Sequence[conductor_pb2.GenerateChunk], n: int, completion_tokens: int) -> dict[str, Any]:
+    """A request's usage from its choices' first chunks (``firsts[k * n]``: prompt k's first choice): each
+    prompt of a batch counted once, however many choices it has."""
+    prompts = firsts[::n]
+    return usage(sum(f.prompt_tokens for f in prompts), completion_tokens, sum(f.cached_tokens for f in prompts))
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -66,12 +73,12 @@ class _Choice:
 class Responder:
     """Builds the bodies of one request's answer (``rid``: the first choice's request id)."""
 
-    def __init__(self, spec: OpenAIRequest, rid: str, texts: TokenTexts, prompt_text: str = "") -> None:
+    def __init__(self, spec: OpenAIRequest, rid: str, texts: TokenTexts, prompt_texts: Sequence[str] = ()) -> None:
         self.spec = spec
         self.rid = rid
         self.texts = texts
-        self.prompt_text = prompt_text  # completions with echo
-        self.choices = [_Choice() for _ in range(spec.n)]
+        self.prompt_texts = prompt_texts  # completions with echo: each prompt's text, choice k * n + i's is k's
+        self.choices = [_Choice() for _ in range(len(spec.prompts) * spec.n)]
         self.prefix, self.obj, self.chunk_obj = (("chatcmpl", "chat.completion", "chat.completion.chunk") if spec.chat
                                                  else ("cmpl", "text_completion", "text_completion"))
 
@@ -112,7 +119,7 @@ class Responder:
                         "finish_reason": finish}
             delta: dict[str, Any] = {"role": "assistant", "content": c.text} if first else {"content": c.text}
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        text = self.prompt_text + c.text if self.spec.echo and first else c.text
+        text = self.prompt_texts[index // self.spec.n] + c.text if self.spec.echo and first else c.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _completion_logprobs(self, c: conductor_pb2.GenerateChunk, state: _Choice) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from mooncaked.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # choices per request: each is a request of its own on the cluster
+MAX_CHOICES = 64  # choices per request over a batch of prompts (prompts × n): each a request on the cluster
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for /v1/completions' ``logprobs``
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for chat's ``top_logprobs`` (the engine's too)
 _U64 = 1 << 64
@@ -65,23 +66,30 @@ class OpenAIRequest:
     """A validated OpenAI request: what the conductor's core serves (``spec``) plus how to answer it."""
 
     model: str  # the served model's canonical id, whatever alias the client sent
-    spec: GenerateSpec
+    spec: GenerateSpec  # the (first) prompt's request
     chat: bool
     stream: bool = False
     include_usage: bool = False
-    n: int = 1  # choices: n requests, choice i seeded with seed + i
+    n: int = 1  # choices per prompt: n requests, choice i seeded with seed + i
     logprobs: int | None = None  # None: no log-probs; else how many top tokens to list per position
     echo: bool = False  # completions: the answer's text starts with the prompt's
     created: int = field(default_factory=lambda: int(time.time()))
+    more: list[GenerateSpec] = field(default_factory=list)  # completions: the batch's other prompts, in order
+
+    @property
+    def prompts(self) -> list[GenerateSpec]:
+        return [self.spec, *self.more]
 
     def choice_specs(self) -> list[GenerateSpec]:
-        """One request per choice; with a seed, choice i samples with ``seed + i`` so choices differ."""
+        """One request per choice, prompt by prompt (choice ``k * n + i`` is prompt k's i-th, as OpenAI
+        numbers them); with a seed, choice i of a prompt samples with ``seed + i`` so choices differ."""
         out = []
-        for i in range(self.n):
-            sampling = self.spec.sampling
-            if i and sampling.seed is not None:
-                sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % _U64)
-            out.append(dataclasses.replace(self.spec, sampling=sampling))
+        for spec in self.prompts:
+            for i in range(self.n):
+                sampling = spec.sampling
+                if i and sampling.seed is not None:
+                    sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % _U64)
+                out.append(dataclasses.replace(spec, sampling=sampling))
         return out
 
 
@@ -263,31 +271,39 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
     model = _model(body, served)
     _unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "best_of": (None, 1)})
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise bad("batched prompts are not supported; send one prompt per request", "prompt")
-        prompt = prompt[0]
-    req = GenerateSpec(sampling=_sampling(body, served, 16), front="http")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt is empty", "prompt")
-        req.prompt = prompt
-        req.raw = True
-    elif isinstance(prompt, list):
-        req.token_ids = _token_ids(prompt, served, "prompt")
-    elif prompt is None:
+    if prompt is None:
         raise bad("prompt is required", "prompt")
-    else:
-        raise bad(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    logprobs = _ask_logprobs(req, _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS,
-                                       f"between 0 and {MAX_COMPLETION_LOGPROBS}"))
+    # a batch: a list of strings or of token-id lists (a list of ints is one prompt of token ids)
+    batch = prompt if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt) \
+        else [prompt]
+    n = _n(body)
+    if len(batch) * n > MAX_CHOICES:  # counted before any is looked at
+        raise bad(f"{len(batch)} prompts × n={n} is {len(batch) * n} choices; at most {MAX_CHOICES} per request",
+                  "prompt")
+    sampling = _sampling(body, served, 16)
+    logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, f"between 0 and {MAX_COMPLETION_LOGPROBS}")
+    reqs = []
+    for k, one in enumerate(batch):
+        param = "prompt" if len(batch) == 1 else f"prompt[{k}]"
+        req = GenerateSpec(sampling=dataclasses.replace(sampling), front="http")
+        if isinstance(one, str):
+            if not one:
+                raise bad(f"{param} is empty", param)
+            req.prompt = one
+            req.raw = True
+        elif isinstance(one, list):
+            req.token_ids = _token_ids(one, served, param)
+        else:
+            raise bad(f"{param} must be a string or a list of token ids, got {type(one).__name__}", param)
+        _ask_logprobs(req, logprobs)
+        reqs.append(req)
     echo = _bool(body, "echo")
     if echo and logprobs is not None:
         raise bad("echo with logprobs would need the prompt's log-probs, which this server does not compute; "
                   "drop echo or logprobs", "echo", "unsupported_parameter")
     stream, usage = _stream_flags(body)
-    return OpenAIRequest(model, req, chat=False, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs,
-                        echo=echo)
+    return OpenAIRequest(model, reqs[0], chat=False, stream=stream, include_usage=usage, n=n, logprobs=logprobs,
+                         echo=echo, more=reqs[1:])
 
 
 def _content(m: dict, i: int) -> str:
