@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -62,7 +63,10 @@ class Cluster:
             cmd += ["--conductor", ",".join([self.conductor, *self.also_conductors])]
         elif role == "conductor" and "--http" not in args:
             cmd += ["--http", "127.0.0.1:0"]  # any free port: parallel runs must not fight over 8000
-        log = open(self.log_dir / f"{name}.log", "w")
+        path = self.log_dir / f"{name}.log"
+        if path.exists():  # a restart: log() reads the new process's, the old one's stays for a post-mortem
+            path.rename(next(p for k in itertools.count(1) if not (p := self.log_dir / f"{name}.{k}.log").exists()))
+        log = open(path, "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         port = self._printed_port(name, r"gRPC on [^ ]*:(\d+)")
         self.ports[name] = port

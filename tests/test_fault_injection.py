@@ -287,8 +287,11 @@ async def test_sigstop_of_one_prefill_under_load_hangs_no_request(setup):
     waited = [r for r in records if r.spans(t["fault"]) and r.first and r.first > t["fault"]]
     late = [(r.front, r.prefill, r.decode, round(r.start - t["fault"], 1), round(r.first - t["fault"], 1))
             for r in waited if r.first >= t["sigcont"]]
+    # what the conductor said of p2 meanwhile (its dead mark, its retries), for a failure's post-mortem
+    said = [line for line in c.log("conductor").splitlines() if "p2" in line and " INFO " not in line][-12:]
     assert waited and not late, (f"requests in flight on the stopped p2 waited for its SIGCONT (front, prefill, "
-                                 f"decode, sent and first token in s after the stop): {late}\n{summary}")
+                                 f"decode, sent and first token in s after the stop): {late}\n{summary}\n"
+                                 + "\n".join(said))
     print(f"SIGSTOP p2: {len(during)} gRPC requests got their first token while p2 was stopped "
           f"({Counter(r.prefill for r in during)}); of the {len(waited)} in flight at the stop and not yet past "
           f"their first token, the last got it {max((r.first - t['fault'] for r in waited), default=0):.1f} s "
