@@ -24,7 +24,7 @@ import torch
 import uvloop
 from transfer_helpers import rand_bytes, run_uv
 
-from mooncaked.transfer import io_transport
+from mooncaked.transfer import io_transport, io_worker
 from mooncaked.transfer import (
     OutOfBoundsError,
     PeerUnavailableError,
@@ -193,6 +193,28 @@ def test_deadline_and_cancel_reach_the_io_process() -> None:
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(r.io.submit([TransferOp("write", "src", 0, r.hole, "dst", 0, 8 * MiB)]), 0.3)
             await r.io.submit([TransferOp("write", "src", 0, r.addr, "dst", 0, 8 * MiB)])  # the engine still works
+            assert torch.equal(r.dst, r.src)
+
+    run_uv(body())
+
+
+@pytest.mark.timeout(120)
+def test_batches_stuck_on_a_stalled_peer_do_not_hold_up_another_peers() -> None:
+    """More batches to a peer that never answers than the I/O process has threads for: a healthy peer's
+    write must still go (before, one pool of threads served every peer and this write waited for the
+    stuck batches' deadline)."""
+    async def body() -> None:
+        async with rig(6) as r:
+            stuck = [asyncio.ensure_future(r.io.submit([TransferOp("write", "src", 0, r.hole, "dst", 0, 2 * MiB)],
+                                                       timeout_s=90)) for _ in range(io_worker.MAX_PEER_THREADS + 8)]
+            await asyncio.sleep(0.5)  # every stuck batch reaches the child first
+            try:  # a hang guard, not a timing: the stuck batches wait 90 s
+                await asyncio.wait_for(r.io.submit([TransferOp("write", "src", 0, r.addr, "dst", 0, 8 * MiB)]), 45)
+            finally:
+                assert not any(f.done() for f in stuck), "a stuck batch ended: the write above proves nothing"
+                for f in stuck:
+                    f.cancel()
+                await asyncio.gather(*stuck, return_exceptions=True)
             assert torch.equal(r.dst, r.src)
 
     run_uv(body())

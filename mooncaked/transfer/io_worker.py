@@ -37,8 +37,11 @@ from mooncaked.transfer.wire import Op
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
-MAX_LANE_THREADS = 32
-"""Lanes running at once (each holds one connection); more wait for a thread."""
+MAX_PEER_THREADS = 16
+"""Lanes running at once toward one peer (each holds one connection); more wait for one of that peer's
+threads. Per peer: lanes to a peer that stalls each wait out their deadline, and with one pool for every
+peer (32 threads until 2026-12-06) enough batches to a stalled pool owner left a push to a healthy decode
+waiting for a thread (tests/test_transfer_io_process.py). Threads start as lanes need them."""
 
 
 class IoWorker:
@@ -55,7 +58,7 @@ class IoWorker:
         self._maps: dict[str, memoryview | TransferError] = {}
         self._pools: dict[str, BlockingPool] = {}
         self._batches: dict[int, BlockingBatch] = {}
-        self._executor = ThreadPoolExecutor(MAX_LANE_THREADS, thread_name_prefix="transfer-io")
+        self._executors: dict[str, ThreadPoolExecutor] = {}  # by peer (MAX_PEER_THREADS)
         self._handlers = {"map": self._map, "map_fd": self._map_fd, "unmap": self._unmap, "submit": self._submit,
                           "cancel": self._cancel}
 
@@ -74,7 +77,8 @@ class IoWorker:
     def close(self) -> None:
         for batch in list(self._batches.values()):
             batch.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        for executor in self._executors.values():
+            executor.shutdown(wait=True, cancel_futures=True)
         for pool in self._pools.values():
             pool.close()
 
@@ -118,7 +122,10 @@ class IoWorker:
 
         batch = BlockingBatch(self._pool(peer), wire, timeout_s, self._lanes, done)
         self._batches[batch_id] = batch
-        batch.start(self._executor)
+        executor = self._executors.get(peer)
+        if executor is None:
+            executor = self._executors[peer] = ThreadPoolExecutor(MAX_PEER_THREADS, thread_name_prefix="transfer-io")
+        batch.start(executor)
 
     def _cancel(self, batch_id: int) -> None:
         batch = self._batches.pop(batch_id, None)
