@@ -198,15 +198,20 @@ def test_deadline_and_cancel_reach_the_io_process() -> None:
     run_uv(body())
 
 
+STUCK_BATCHES = 40  # more than the one pool of 32 threads had, and than one peer's MAX_PEER_THREADS
+
+
 @pytest.mark.timeout(120)
 def test_batches_stuck_on_a_stalled_peer_do_not_hold_up_another_peers() -> None:
     """More batches to a peer that never answers than the I/O process has threads for: a healthy peer's
     write must still go (before, one pool of threads served every peer and this write waited for the
     stuck batches' deadline)."""
+    assert STUCK_BATCHES > io_worker.MAX_PEER_THREADS
+
     async def body() -> None:
         async with rig(6) as r:
             stuck = [asyncio.ensure_future(r.io.submit([TransferOp("write", "src", 0, r.hole, "dst", 0, 2 * MiB)],
-                                                       timeout_s=90)) for _ in range(io_worker.MAX_PEER_THREADS + 8)]
+                                                       timeout_s=90)) for _ in range(STUCK_BATCHES)]
             await asyncio.sleep(0.5)  # every stuck batch reaches the child first
             try:  # a hang guard, not a timing: the stuck batches wait 90 s
                 await asyncio.wait_for(r.io.submit([TransferOp("write", "src", 0, r.addr, "dst", 0, 8 * MiB)]), 45)
