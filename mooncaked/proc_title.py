@@ -10,12 +10,15 @@ systemd keeps its own command line: its flags are what an operator wants to see 
 
 from __future__ import annotations
 
+import os
+
 import setproctitle
 
 
-def set_child(role: str, parent: str) -> None:
-    """Title a process mooncaked started: `mooncaked ROLE (of PARENT)`."""
-    setproctitle.setproctitle(f"mooncaked {role} (of {parent})")
+def set_child(role: str) -> None:
+    """Title a process mooncaked started: `mooncaked ROLE (of pid PARENT)`. Only the pid: a title holding the
+    parent's command line would match `pkill -f 'mooncaked --role all'` meant for the parent alone."""
+    setproctitle.setproctitle(f"mooncaked {role} (of pid {os.getppid()})")
 
 
 def name_known(role: str, name: str) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from mooncaked.config.values import WILDCARD_HOSTS
+
 
 class StartupError(Exception):
     """A daemon cannot start for a reason the user can fix; the message says what to do."""
@@ -78,12 +80,9 @@ def probe(address: Any) -> OSError | None:
         return None
 
 
-_ANY_HOST = ("0.0.0.0", "::")
-
-
 def _same_port(a: tuple[str, int], b: tuple[str, int]) -> bool:
     """Whether two listening addresses would take one port (a wildcard host takes it on every address)."""
-    return a[1] == b[1] and (a[0] == b[0] or a[0] in _ANY_HOST or b[0] in _ANY_HOST)
+    return a[1] == b[1] and (a[0] == b[0] or a[0] in WILDCARD_HOSTS or b[0] in WILDCARD_HOSTS)
 
 
 def check_addresses(addresses: list[tuple[str, Any]]) -> None:

@@ -27,10 +27,15 @@ class BadRequest(ConductorError):
         self.code = code
 
 
+def too_long_message(what: str, prompt_tokens: int, context: int) -> str:
+    """What a prompt that leaves no room in the context for a new token is told (both fronts' checks)."""
+    return (f"{what} has {prompt_tokens} tokens; the model's context is {context} tokens, which must hold the "
+            "prompt and at least one new token")
+
+
 def too_long(prompt_tokens: int, context: int) -> BadRequest:
     """A prompt that leaves no room in the context for the token it asks for."""
-    return BadRequest(f"the prompt has {prompt_tokens} tokens; the model's context is {context} tokens, which must "
-                      "hold the prompt and at least one new token", "context_length_exceeded")
+    return BadRequest(too_long_message("the prompt", prompt_tokens, context), "context_length_exceeded")
 
 
 class Rejected(ConductorError):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.conductor.core import GenerateSpec
+from mooncaked.conductor.errors import too_long_message
 from mooncaked.engine import RequestError, SamplingParams
 from mooncaked.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
@@ -141,8 +142,7 @@ def _token_ids(v: Any, served: ServedModel, param: str) -> list[int]:
     if not v:
         raise bad(f"{param} is empty", param)
     if len(v) >= served.max_context:  # first: a long list costs nothing more to refuse
-        raise bad(f"{param} has {len(v)} tokens; the model's context is {served.max_context} tokens, which must hold "
-                  "the prompt and at least one new token", param, "context_length_exceeded")
+        raise bad(too_long_message(param, len(v), served.max_context), param, "context_length_exceeded")
     vocab = served.vocab_size
     if not all(_is_int(t) for t in v):
         raise bad(f"{param} must be a string or a list of integer token ids", param)

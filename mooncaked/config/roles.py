@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from mooncaked.config.values import (_WILDCARD_HOSTS, DEFAULT_ETCD_PREFIX, ConfigError, HostPort, HostPorts,
+from mooncaked.config.values import (DEFAULT_ETCD_PREFIX, WILDCARD_HOSTS, ConfigError, HostPort, HostPorts,
                                      StoreTarget, _address, _address_list, _addresses, _at_least, _bool, _choice,
                                      _etcd_prefix, _float, _fraction, _int, _name, _optional, _port, _setting,
                                      _str, parse_size, parse_store)
@@ -169,7 +169,7 @@ class RoleConfig:
         """The address others dial for this instance's gRPC server (listen's port)."""
         if self.advertise_host:
             host = self.advertise_host
-        elif self.listen.host not in _WILDCARD_HOSTS:
+        elif self.listen.host not in WILDCARD_HOSTS:
             host = self.listen.host
         else:
             host = socket.gethostname()

@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 
-_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 
 class ConfigError(ValueError):
@@ -190,7 +190,7 @@ def _choice(choices: tuple[str, ...], *, upper: bool = False) -> Parser:
 def _address(*, listening: bool) -> Parser:
     def check(value: Any) -> HostPort:
         hp = parse_hostport(value)
-        if not listening and (hp.port == 0 or hp.host in _WILDCARD_HOSTS):
+        if not listening and (hp.port == 0 or hp.host in WILDCARD_HOSTS):
             raise ValueError(f"{value!r} is where to connect: it needs a real host and a non-zero port")
         return hp
     return check

@@ -123,7 +123,7 @@ def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
     # parent alone, which stops the children in order (engines drain and deregister while the conductor
     # and the store still answer); every child still follows its parent (cli._watch_parent)
     os.setpgid(0, 0)
-    proc_title.set_child(cfg.role, f"pid {os.getppid()}")
+    proc_title.set_child(cfg.role)
 
     # only the `all` process speaks to systemd; the conductor tells it (``notify``) when it accepts
     if notify:

@@ -159,7 +159,7 @@ def _die_with_parent() -> None:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s transfer-io[%(process)d] %(levelname)s %(message)s")
     _die_with_parent()
-    proc_title.set_child("transfer-io", f"pid {os.getppid()}")
+    proc_title.set_child("transfer-io")
     # the engine says when we end (end of stream; we die with it): a terminal's Ctrl-C reaches its whole
     # process group, us included, while the engine drains through us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
