@@ -138,7 +138,8 @@ def test_an_engine_whose_conductor_never_answers_exits_with_one_line(tiny_model_
     """No conductor at --conductor: within --join-timeout-s the engine says so, naming the flag, and
     exits 1 (an engine that serves nobody is a startup failure; systemd restarts it later). At
     --log-level WARNING: the daemon's INFO progress lines (model loaded, ports) come before the
-    failure at the default level; what the failure itself adds is the retry warning and the line."""
+    failure at the default level; what the failure itself adds is the line (the retry warning comes
+    only after `STARTUP_GRACE_S`, past this 2 s wait)."""
     _, folder = tiny_model_factory("llama")
     conductor = f"127.0.0.1:{free_port()}"
     result = _mooncaked("--role", "prefill", "--model", str(folder), "--listen", f"127.0.0.1:{free_port()}",

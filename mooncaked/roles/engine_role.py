@@ -27,7 +27,7 @@ from mooncaked.convert import layout_to_proto
 from mooncaked.instance.heartbeat import InstanceHeartbeat
 from mooncaked.instance.kv_push import KV_REGION
 from mooncaked.instance.pool_cache import PoolCache, stage_pool_id
-from mooncaked.roles.membership import Memberships
+from mooncaked.roles.membership import STARTUP_GRACE_S, Memberships
 from mooncaked.rpc import RoleServer, sd_notify
 from mooncaked.security import Security
 from mooncaked.startup import StartupError, listening
@@ -216,8 +216,9 @@ async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine, secur
     from mooncaked.store import StoreClient, StoreClientConfig, StoreError
 
     store = StoreClient(StoreClientConfig.from_worker(cfg), transfer=transfer, security=security)
-    deadline = time.monotonic() + cfg.join_timeout_s
-    attempt = 0
+    started = time.monotonic()
+    deadline = started + cfg.join_timeout_s
+    warned = False
     while True:
         try:
             await store.start()
@@ -230,7 +231,11 @@ async def _start_store_client(cfg: WorkerConfig, transfer: TransferEngine, secur
                 raise StartupError(f"the store master {cfg.store} (--store) did not take this engine within "
                                    f"{cfg.join_timeout_s:g}s: {e}; start it or fix the address or secret "
                                    f"(--join-timeout-s sets the wait)") from e
-            if attempt == 0:
-                log.warning("store master %s (--store) is not reachable yet (%s); retrying", cfg.store, e)
-            attempt += 1
+            away_s = time.monotonic() - started
+            if not warned and away_s >= STARTUP_GRACE_S:  # roles started together come up in any order
+                warned = True
+                log.warning("store master %s (--store) is not reachable yet (%s, for %.0fs); retrying",
+                            cfg.store, e, away_s)
+            else:
+                log.debug("store master %s not reachable yet (%s)", cfg.store, e)
             await asyncio.sleep(1.0)

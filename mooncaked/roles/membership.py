@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -23,6 +24,12 @@ from mooncaked.security import Security
 from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
+
+# Roles started together (`--role all`, or systemd starting every unit at once) come up in any order: an
+# engine may try a conductor that is still loading. Only a conductor still away after this long is worth a
+# WARNING; before it, the engine's tries are logged at DEBUG.
+STARTUP_GRACE_S = 10.0
+
 
 class Membership:
     """Membership with one conductor: register, then heartbeat its backlog, forever."""
@@ -39,6 +46,7 @@ class Membership:
         self.stub = conductor_pb2_grpc.ConductorStub(self.channel)
         self.registered = False
         self._warned = False
+        self._away_since: float | None = None  # first failed try before we registered
         self._failing = False  # heartbeats fail: said once, then quiet until one gets through
         self._refused = ""  # the conductor's last refusal, logged once until it changes
         self.last_error = ""  # why the last try failed, for a startup that gives up (`Memberships.joined`)
@@ -64,19 +72,27 @@ class Membership:
                     level = logging.DEBUG if self._failing else logging.WARNING
                     self._failing = True
                     log.log(level, "heartbeat to %s failed: %s; retrying", self.conductor, e.code().name)
-                elif not self._warned:  # once: a conductor that starts after us, or restarts, is normal
-                    self._warned = True
-                    log.warning("conductor %s (--conductor) is not reachable yet (%s); retrying until it is",
-                                self.conductor, e.code().name)
+                elif not self._warned and self._away_for() >= STARTUP_GRACE_S:
+                    self._warned = True  # once: a conductor that starts after us, or restarts, is normal
+                    log.warning("conductor %s (--conductor) is not reachable yet (%s, for %.0fs); retrying "
+                                "until it is", self.conductor, e.code().name, self._away_for())
                 else:
                     log.debug("conductor %s not reachable yet (%s)", self.conductor, e.code().name)
             await asyncio.sleep(self.interval_s)
+
+    def _away_for(self) -> float:
+        """Seconds since the first failed try to register (0 at that try)."""
+        now = time.monotonic()
+        if self._away_since is None:
+            self._away_since = now
+        return now - self._away_since
 
     async def _beat(self) -> None:
         if not self.registered:
             reply = await self.stub.Register(self._register(), timeout=RPC_TIMEOUT_S)
             self.interval_s = reply.heartbeat_interval_s or self.interval_s
             self.registered = True
+            self._away_since = None
             self.registered_event.set()
             log.info("registered with conductor %s", self.conductor)
             await self.feed.resync(self.backlog)
