@@ -99,3 +99,32 @@ def test_a_prefill_longer_than_the_mlps_row_chunk_matches_transformers(tiny_mode
     engine = _engine(folder)
     prompt = random_prompts([70], seed=5)[0]  # 70 rows: four whole chunks of 16 and a part
     torch.testing.assert_close(engine.score(prompt), hf_logits(hf, prompt), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_prompt_logprobs_match_transformers(arch, tiny_model_factory):
+    """Scoring a prompt (OpenAI's echo with logprobs): each prompt token's log-prob under transformers'
+    log-softmax of the position before it, and the top tokens there; in a batch with chunked prefill and
+    running decodes, and for a prompt whose prefix is cached (a scored prompt computes it again)."""
+    hf, folder = tiny_model_factory(arch)
+    engine = _engine(folder, max_num_batched_tokens=16)
+    prompts = random_prompts([2, 9, 40, 70], seed=5)
+    engine.generate([prompts[2]], SamplingParams(max_tokens=2, ignore_eos=True))  # prompt 2's blocks now cached
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=k) for k in (0, 3, 5, 0)]
+    outs = engine.generate([prompts[0], *prompts], [plain, *params])
+    assert outs[0].prompt_logprobs is None  # only asked for where asked
+    for prompt, p, out in zip(prompts, params, outs[1:]):
+        ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert len(out.prompt_logprobs) == len(prompt) - 1
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=1e-4)
+        assert out.num_cached_tokens == 0
+        assert out.token_ids == hf_greedy(hf, prompt, 3)  # the answer is unchanged by scoring
+        if p.prompt_logprobs:
+            top = torch.topk(ref[:-1], p.prompt_logprobs, dim=-1)
+            assert [t.token_ids for t in out.prompt_top_logprobs] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([t.logprobs for t in out.prompt_top_logprobs]), top.values,
+                                       atol=2e-4, rtol=1e-4)
+        else:
+            assert out.prompt_top_logprobs is None

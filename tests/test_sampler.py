@@ -116,6 +116,8 @@ def test_logit_bias_is_added_to_its_row_only_and_logprobs_stay_raw():
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(repetition_penalty=math.inf), "repetition_penalty"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(top_logprobs=2), "top_logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"),
 ])
 def test_bad_settings_are_refused(kw, what):
     with pytest.raises(RequestError, match=what):

@@ -31,7 +31,7 @@ from mooncaked.engine.driver import Driver
 from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
-from mooncaked.engine.model_runner import ModelRunner, stage_config
+from mooncaked.engine.model_runner import ModelRunner, PromptScores, stage_config
 from mooncaked.engine.outputs import Output, TopLogprobs
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
@@ -198,6 +198,9 @@ class Engine:
         imported = list(imported_blocks or [])
         if imported and len(imported) * self.config.block_size >= len(ids):
             raise RequestError("imported blocks must leave at least one prompt token to compute")
+        if params.scored and (imported or layers is not None):
+            raise RequestError("prompt_logprobs needs the whole prompt computed through every layer here: "
+                               "no imported KV blocks, no share of layers")
         staged = self.stage.count > 1
         unkept = 0 if keep_imported else len(imported)
         if layers is not None:
@@ -397,6 +400,9 @@ class Engine:
                 log.error("request %s failed: %s", rid, result.errors[rid])
                 self._fail(self._requests[rid], result.errors[rid], outputs)
                 continue
+            scores = result.prompt_scores.get(rid)
+            if scores is not None:
+                _keep_scores(s.seq, scores)
             self._apply(s, result.tokens.get(rid), result.logprobs.get(rid), result.top_logprobs.get(rid), outputs)
         return outputs
 
@@ -498,6 +504,8 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.scored else None,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             compute_s=seq.compute_s,
             new_token_ids=new_ids,
             new_text=req.detok.take_delta(final=seq.finished),
@@ -622,3 +630,13 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
         )
+
+
+def _keep_scores(seq: Sequence, scores: PromptScores) -> None:
+    """Append a step's prompt log-probs; rows a recompute (after preemption) scored again are skipped."""
+    skip = len(seq.prompt_logprobs) - scores.start
+    if skip < 0:
+        raise RuntimeError(f"{seq.request_id}: prompt rows {len(seq.prompt_logprobs)}..{scores.start} were not scored")
+    seq.prompt_logprobs += scores.logprobs[skip:]
+    if scores.top is not None:
+        seq.prompt_top_logprobs += scores.top[skip:]

@@ -31,6 +31,19 @@ from mooncaked.engine.stage import PipelineStage
 
 log = logging.getLogger(__name__)
 
+# scored prompts (``SamplingParams.prompt_logprobs``) go through the head this many rows at a time: a whole
+# 8k-token chunk at once would hold 8k x vocab fp32 logits (1.6 GB for a 49k vocabulary)
+SCORE_ROWS = 256
+
+
+@dataclass
+class PromptScores:
+    """Log-probs of prompt tokens ``start + 1 ..`` given the tokens before each (one step's rows)."""
+
+    start: int  # the position whose logits give ``logprobs[0]`` (prompt token ``start + 1``)
+    logprobs: list[float]
+    top: list[TopLogprobs] | None  # with prompt_logprobs > 0: the most likely tokens at each position
+
 
 @dataclass
 class StepResult:
@@ -45,6 +58,7 @@ class StepResult:
     errors: dict[str, str] = field(default_factory=dict)  # requests whose token could not be sampled, and why
     # a pipeline stage that is not the last: each request's hidden states of this step's tokens
     hidden_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)  # scored prompts' rows of this step
 
 
 def stage_config(cfg: ModelConfig, stage: PipelineStage) -> ModelConfig:
@@ -152,12 +166,41 @@ class ModelRunner:
                     logprobs[rid] = out.logprobs[k]
                 if out.top_logprobs is not None and out.top_logprobs[k] is not None:
                     tops[rid] = out.top_logprobs[k]
+        scores = self._score_prompts(batch, hidden, meta.cu_seqlens_q.tolist())
         full: dict[str, torch.Tensor] = {}
         if all_logits:
             bounds = meta.cu_seqlens_q.tolist()
             for k, s in enumerate(batch):
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
-        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors)
+        return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors,
+                          prompt_scores=scores)
+
+    def _score_prompts(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
+                       bounds: list[int]) -> dict[str, PromptScores]:
+        """For each scored sequence, the log-prob of every prompt token this step's rows predict (row at
+        position p predicts token p + 1), from the raw model distribution, as the sampled tokens' are."""
+        out: dict[str, PromptScores] = {}
+        for k, s in enumerate(batch):
+            seq = s.seq
+            if not seq.params.scored:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + s.num_new_tokens, len(seq.prompt_token_ids) - 1)  # the last row predicts no prompt token
+            if end <= start:
+                continue
+            targets = torch.tensor(seq.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            want = seq.params.prompt_logprobs or 0
+            lps: list[float] = []
+            tops: list[TopLogprobs] = []
+            for a in range(0, end - start, SCORE_ROWS):
+                b = min(a + SCORE_ROWS, end - start)
+                rows = torch.log_softmax(self.model.compute_logits(hidden[bounds[k] + a : bounds[k] + b]), dim=-1)
+                lps += rows.gather(1, targets[a:b, None]).squeeze(1).tolist()
+                if want:
+                    top = torch.topk(rows, want, dim=-1)
+                    tops += [TopLogprobs(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            out[seq.request_id] = PromptScores(start, lps, tops if want else None)
+        return out
 
     def _graphed(self, batch: list[ScheduledSeq], meta: AttentionMetadata, layer_hook: LayerHook | None,
                  layers: tuple[int, int] | None) -> bool:

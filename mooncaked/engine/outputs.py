@@ -29,6 +29,10 @@ class Output:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    # with SamplingParams.prompt_logprobs: entry i is prompt token i + 1's log-prob given the tokens before it
+    # (the first prompt token has none), and the most likely tokens there; complete once the prompt is computed
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
     compute_s: float = 0.0  # engine step time of the steps this request took part in
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""

@@ -37,6 +37,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: prompt and generated tokens' logits shrink by this factor
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI: added to these tokens' logits
+    # scoring (OpenAI's echo with logprobs): each prompt token's log-prob given the tokens before it, and
+    # this many most likely tokens at each position; None: off. The whole prompt is then computed (no
+    # prefix cache, pool or peer KV: a reused block has no logits)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +77,10 @@ class SamplingParams:
                 raise RequestError(f"{name} must be between -2 and 2, got {v!r}")
         if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise RequestError(f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}")
+        if self.prompt_logprobs is not None and (not _integer(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                               f"got {self.prompt_logprobs!r}")
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
         for t, b in self.logit_bias.items():
@@ -83,6 +91,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR
+
+    @property
+    def scored(self) -> bool:
+        """Whether the prompt's own log-probs are wanted (every prompt token is then computed)."""
+        return self.prompt_logprobs is not None
 
     @property
     def penalized(self) -> bool:

@@ -162,7 +162,7 @@ class Scheduler:
         nothing (the same engine computes them either way) and its admission then hits them in the
         prefix cache, once the other sequence has committed them. Whole blocks only, as the prefix
         cache holds them; the waiting ends when that sequence passes them, finishes or leaves."""
-        if not self.bm.enable_prefix_caching or seq.imported_blocks or seq.exact_prefix:
+        if not self.bm.enable_prefix_caching or seq.imported_blocks or seq.exact_prefix or seq.params.scored:
             return False
         bs = self.bm.block_size
         tokens = seq.all_token_ids
@@ -190,7 +190,9 @@ class Scheduler:
             self.commit_full_blocks(seq)
             matched: list[int] = []
         else:
-            matched, hashes = self.bm.match_prefix(seq.all_token_ids, (seq.num_tokens - 1) // bs)
+            # a scored prompt computes every token: a cached block has no logits to score it with
+            limit = 0 if seq.params.scored else (seq.num_tokens - 1) // bs
+            matched, hashes = self.bm.match_prefix(seq.all_token_ids, limit)
             seq.block_table = matched
             seq.block_hashes = hashes
             seq.num_computed_tokens = len(matched) * bs

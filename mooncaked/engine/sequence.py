@@ -30,6 +30,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks so far
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # with params.prompt_logprobs: entry i is prompt token i + 1's log-prob (and the most likely there)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     admitted_once: bool = False
