@@ -27,6 +27,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int = 
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         logit_bias=dict(p.logit_bias),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -41,6 +42,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.seed = s.seed
     if s.repetition_penalty != 1:
         p.repetition_penalty = s.repetition_penalty
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
     return p
 
 

@@ -31,6 +31,14 @@ def _generate(conductor: str, prompt: list[int], n: int) -> tuple[list[int], str
     return [t for c in chunks for t in c.token_ids], chunks[0].prefill_instance
 
 
+def _chunks(conductor: str, prompt: list[int], n: int, **sampling) -> list[conductor_pb2.GenerateChunk]:
+    with grpc.insecure_channel(conductor) as ch:
+        req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
+                                            sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True,
+                                                                               **sampling))
+        return list(conductor_pb2_grpc.ConductorStub(ch).Generate(req, timeout=60))
+
+
 def _start_groups(c: Cluster, chunk_tokens: int) -> None:
     """Groups a and b, two stage processes each (a-s0, a-s1, b-s0, b-s1)."""
     for g in ("a", "b"):
@@ -59,6 +67,14 @@ def test_groups_serve_show_in_status_and_survive_a_killed_stage(tiny_model_facto
         tokens, head = _generate(c.conductor, short, 5)
         assert tokens == ref.generate(short, SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids
         assert head in ("a-s0", "b-s0")
+        # scored (echo with logprobs): the group's last stage scores every prompt token, the cached ones too
+        want_scores = ref.generate(short, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=1))[0]
+        chunks = _chunks(c.conductor, short, 2, prompt_logprobs=1)
+        assert chunks[0].prefill_instance in ("a-s0", "b-s0") and chunks[0].num_cached_tokens == 0
+        assert list(chunks[0].prompt_token_ids) == short
+        assert list(chunks[0].prompt_logprobs) == pytest.approx(want_scores.prompt_logprobs, abs=1e-4)
+        assert [list(t.token_ids) for t in chunks[0].prompt_top_logprobs] == \
+            [t.token_ids for t in want_scores.prompt_top_logprobs]
 
         long_ = random_prompts([400], seed=6)[0]
         want = ref.generate(long_, SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids

@@ -236,6 +236,42 @@ def test_echo_and_user(cluster, client):
     assert "".join(c.choices[0].text for c in streamed) == "t40 t41" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(cluster, engine, client):
+    """OpenAI's echo with logprobs (how lm-evaluation-harness scores a continuation): the prompt's tokens
+    come first with their log-probs, the first null; the prompt is computed whole even when cached.
+    max_tokens 0 with echo: the prompt alone, nothing generated."""
+    ids = random_prompts([13], seed=81)[0]
+    client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=1)  # the prompt now cached
+    want = engine.generate([ids], SamplingParams(max_tokens=2, logprobs=True, top_logprobs=2, prompt_logprobs=2,
+                                                 ignore_eos=True))[0]
+    r = client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=2, temperature=0, logprobs=2,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [_word(t) for t in ids + want.token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want.prompt_logprobs + want.logprobs, abs=TOL)
+    for pos in range(1, len(ids)):
+        top = lp.top_logprobs[pos]
+        ref = want.prompt_top_logprobs[pos - 1]
+        assert list(top)[:2] == [_word(t) for t in ref.token_ids]  # then the prompt's own token, if not in the top
+        assert _word(ids[pos]) in top
+        assert list(top.values())[:2] == pytest.approx(ref.logprobs, abs=TOL)
+    lengths = [len(t) for t in lp.tokens]
+    assert lp.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert r.usage.prompt_tokens_details.cached_tokens == 0 and r.usage.completion_tokens == 2
+
+    only = client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    choice = only.choices[0]
+    assert choice.logprobs.tokens == [_word(t) for t in ids] and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(want.prompt_logprobs, abs=TOL)
+    assert choice.text == " ".join(_word(t) for t in ids)
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(ids)
+    streamed = list(client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=0, echo=True,
+                                              logprobs=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
+
+
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="t5", max_tokens=1)
@@ -259,7 +295,7 @@ UNSUPPORTED = [
     ("completions", {"suffix": "t9"}, "suffix"),
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"logprobs": True}, "logprobs"),
-    ("completions", {"logprobs": 1, "echo": True}, "echo"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt scored)
     ("completions", {"n": 0}, "n"),
     ("completions", {"n": 17}, "n"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),

@@ -74,13 +74,24 @@ class Chunk:
     cached_tokens: int = 0
     prefill_instance: str = ""
     decode_instance: str = ""
+    # with sampling.prompt_logprobs: the prompt's tokens; entry i of prompt_logprobs is token i + 1's
+    # log-prob (the first has none), and of prompt_top_logprobs the most likely tokens there
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @classmethod
     def join(cls, chunks: Sequence["Chunk"]) -> "Chunk":
-        """A whole stream as one chunk: tokens, text and log-probs joined, the last finish reason."""
-        return cls([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
-                   chunks[-1].finish_reason if chunks else "", [v for c in chunks for v in c.logprobs],
-                   [t for c in chunks for t in c.top_logprobs])
+        """A whole stream as one chunk: tokens, text and log-probs joined, the last finish reason, the
+        prompt's log-probs (the first chunk's)."""
+        joined = cls([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
+                     chunks[-1].finish_reason if chunks else "", [v for c in chunks for v in c.logprobs],
+                     [t for c in chunks for t in c.top_logprobs])
+        if chunks:
+            first = chunks[0]
+            joined.prompt_token_ids, joined.prompt_logprobs = first.prompt_token_ids, first.prompt_logprobs
+            joined.prompt_top_logprobs = first.prompt_top_logprobs
+        return joined
 
 
 class Conductor(Membership):
@@ -178,6 +189,10 @@ class Conductor(Membership):
                     if first:
                         out.request_id, out.prompt_tokens, out.cached_tokens = rid, len(ids), result.cached_tokens
                         out.prefill_instance, out.decode_instance = prefill.name, decode.name
+                        if params.scored:
+                            out.prompt_token_ids = ids
+                            out.prompt_logprobs, out.prompt_top_logprobs = (result.prompt_logprobs,
+                                                                            result.prompt_top_logprobs)
                         first = False
                     timer.chunk(len(c.token_ids), out.prompt_tokens, out.cached_tokens)
                     self.scheduler.tokens(rid, len(c.token_ids))

@@ -175,6 +175,9 @@ class PrefillResult:
     pulled_from: str = ""  # POOL, a peer instance's name, or "" (nothing pulled)
     replicated: bool = False  # the prefix went to the pool with a soft pin
     deviations: dict[str, int] = field(default_factory=dict)  # planned blocks computed instead, by reason
+    # a scored prompt (SamplingParams.prompt_logprobs): entry i is prompt token i + 1's log-prob, and the top there
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass

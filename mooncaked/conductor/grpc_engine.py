@@ -90,7 +90,8 @@ def result_to_proto(r: PrefillResult) -> engine_pb2.PrefillReply:
         compute_s=r.compute_s, push_bytes=r.push_bytes, push_s=r.push_s,
         first_top_logprobs=top_to_proto(r.first_top_logprobs) if r.first_top_logprobs is not None else None,
         local_blocks=r.local_blocks, pulled_blocks=r.pulled_blocks, pulled_from=r.pulled_from,
-        replicated=r.replicated, deviations=r.deviations)
+        replicated=r.replicated, deviations=r.deviations, prompt_logprobs=r.prompt_logprobs,
+        prompt_top_logprobs=[top_to_proto(t) for t in r.prompt_top_logprobs])
 
 
 def result_from_proto(r: engine_pb2.PrefillReply) -> PrefillResult:
@@ -100,7 +101,8 @@ def result_from_proto(r: engine_pb2.PrefillReply) -> PrefillResult:
         cached_tokens=r.num_cached_tokens, computed_tokens=r.num_computed_tokens, finished=r.finished,
         finish_reason=r.finish_reason, compute_s=r.compute_s, push_bytes=r.push_bytes, push_s=r.push_s,
         local_blocks=r.local_blocks, pulled_blocks=r.pulled_blocks, pulled_from=r.pulled_from,
-        replicated=r.replicated, deviations=dict(r.deviations))
+        replicated=r.replicated, deviations=dict(r.deviations), prompt_logprobs=list(r.prompt_logprobs),
+        prompt_top_logprobs=[top_from_proto(t) for t in r.prompt_top_logprobs])
 
 
 class GrpcEngineLink(EngineLink):

@@ -183,7 +183,8 @@ class HttpFront:
                     chunks[i].append(c)
             except errors.ConductorError as e:
                 raise api_error(e) from None
-        use = batch_usage(firsts, spec.n, sum(len(c.token_ids) for cs in chunks for c in cs))
+        shown = 0 if spec.score_only else sum(len(c.token_ids) for cs in chunks for c in cs)
+        use = batch_usage(firsts, spec.n, shown)
         return web.json_response(out.response([Chunk.join(cs) for cs in chunks], use))
 
     async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
@@ -208,7 +209,8 @@ class HttpFront:
                 await send(api_error(e).body())
             else:
                 if out.spec.include_usage:
-                    await send(out.usage_chunk(batch_usage(firsts, out.spec.n, n_tokens)))
+                    shown = 0 if out.spec.score_only else n_tokens
+                    await send(out.usage_chunk(batch_usage(firsts, out.spec.n, shown)))
             await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:

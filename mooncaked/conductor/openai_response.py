@@ -8,6 +8,7 @@ encoding, as vLLM reports them; ``text_offset`` adds up those texts' lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,9 +110,13 @@ class Responder:
         first = state is None or not state.started
         if state is not None:
             state.started = True
+        if self.spec.score_only:  # max_tokens 0: the one token generated is not shown
+            c = dataclasses.replace(c, token_ids=[], text="", logprobs=[], top_logprobs=[],
+                                    finish_reason="length" if c.finish_reason else "")
         logprobs = None
         if self.spec.logprobs is not None:
-            logprobs = self._chat_logprobs(c) if self.spec.chat else self._completion_logprobs(c, state or _Choice())
+            logprobs = (self._chat_logprobs(c) if self.spec.chat
+                        else self._completion_logprobs(c, state or _Choice(), first and self.spec.echo))
         finish = c.finish_reason or None
         if self.spec.chat:
             if state is None:
@@ -122,10 +127,30 @@ class Responder:
         text = self.prompt_texts[index // self.spec.n] + c.text if self.spec.echo and first else c.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def _completion_logprobs(self, c: conductor_pb2.GenerateChunk, state: _Choice) -> dict[str, Any]:
+    def _completion_logprobs(self, c: conductor_pb2.GenerateChunk, state: _Choice, echo: bool) -> dict[str, Any]:
         """``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``; each
-        position's dict holds the top ``logprobs`` tokens and always the sampled one."""
+        position's dict holds the top ``logprobs`` tokens and always the sampled one. ``echo``: the
+        prompt's tokens first, the first with null log-probs (nothing comes before it), as OpenAI's."""
         tokens, offsets, tops = [], [], []
+        token_logprobs: list[float | None] = []
+        if echo:
+            for i, token_id in enumerate(c.prompt_token_ids):
+                text = self.texts(token_id)
+                tokens.append(text)
+                offsets.append(state.text_offset)
+                state.text_offset += len(text)
+                if i == 0 or i > len(c.prompt_logprobs):
+                    token_logprobs.append(None)
+                    tops.append(None)
+                    continue
+                lp = _lp(c.prompt_logprobs[i - 1])
+                token_logprobs.append(lp)
+                alt: dict[str, float] = {}
+                if i <= len(c.prompt_top_logprobs):
+                    for t, v in zip(c.prompt_top_logprobs[i - 1].token_ids, c.prompt_top_logprobs[i - 1].logprobs):
+                        alt.setdefault(self.texts(t), _lp(v))
+                alt.setdefault(text, lp)
+                tops.append(alt)
         for i, token_id in enumerate(c.token_ids):
             text = self.texts(token_id)
             tokens.append(text)
@@ -138,8 +163,8 @@ class Responder:
             if i < len(c.logprobs):
                 top.setdefault(text, _lp(c.logprobs[i]))
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [_lp(v) for v in c.logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
+        token_logprobs += [_lp(v) for v in c.logprobs]
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def _chat_logprobs(self, c: conductor_pb2.GenerateChunk) -> dict[str, Any]:
         """``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""

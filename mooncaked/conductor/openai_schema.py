@@ -74,6 +74,8 @@ class OpenAIRequest:
     n: int = 1  # choices per prompt: n requests, choice i seeded with seed + i
     logprobs: int | None = None  # None: no log-probs; else how many top tokens to list per position
     echo: bool = False  # completions: the answer's text starts with the prompt's
+    # completions with echo and max_tokens 0: the prompt scored, nothing generated (one token is, and dropped)
+    score_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     more: list[GenerateSpec] = field(default_factory=list)  # completions: the batch's other prompts, in order
 
@@ -177,11 +179,15 @@ def _model(body: dict, served: ServedModel) -> str:
     return served.names[0]
 
 
-def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None) -> SamplingParams:
+def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None, least: int = 1) -> SamplingParams:
+    """``least``: the smallest max_tokens taken (0 only for a completion that echoes its prompt)."""
     ctx = served.max_context
+    what = f"between {least} and the model's context ({ctx})" + (" (0 only with echo)" if least else "")
     max_tokens = _int(body, "max_completion_tokens", 1, ctx, f"between 1 and the model's context ({ctx})")
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, ctx, f"between 1 and the model's context ({ctx})")
+        max_tokens = _int(body, "max_tokens", least, ctx, what)
+    if max_tokens == 0:  # the prompt alone (scored with logprobs): one token is generated and not shown
+        max_tokens = 1
     if max_tokens is None:
         max_tokens = max_tokens_default if max_tokens_default is not None else ctx
     temperature = _number(body, "temperature", 0.0, 2.0, "between 0 and 2")
@@ -280,8 +286,12 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
     if len(batch) * n > MAX_CHOICES:  # counted before any is looked at
         raise bad(f"{len(batch)} prompts × n={n} is {len(batch) * n} choices; at most {MAX_CHOICES} per request",
                   "prompt")
-    sampling = _sampling(body, served, 16)
+    echo = _bool(body, "echo")
+    sampling = _sampling(body, served, 16, least=0 if echo else 1)
+    score_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
     logprobs = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS, f"between 0 and {MAX_COMPLETION_LOGPROBS}")
+    if echo and logprobs is not None:  # the prompt's own log-probs too: it is computed whole (no cache)
+        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     reqs = []
     for k, one in enumerate(batch):
         param = "prompt" if len(batch) == 1 else f"prompt[{k}]"
@@ -297,13 +307,9 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
             raise bad(f"{param} must be a string or a list of token ids, got {type(one).__name__}", param)
         _ask_logprobs(req, logprobs)
         reqs.append(req)
-    echo = _bool(body, "echo")
-    if echo and logprobs is not None:
-        raise bad("echo with logprobs would need the prompt's log-probs, which this server does not compute; "
-                  "drop echo or logprobs", "echo", "unsupported_parameter")
     stream, usage = _stream_flags(body)
     return OpenAIRequest(model, reqs[0], chat=False, stream=stream, include_usage=usage, n=n, logprobs=logprobs,
-                         echo=echo, more=reqs[1:])
+                         echo=echo, score_only=score_only, more=reqs[1:])
 
 
 def _content(m: dict, i: int) -> str:

@@ -92,7 +92,8 @@ class Placement:
             # counted from the pick: an instance with a prefill on its way is lent to no other prompt
             prefill.inflight += 1
             if route.helpers:
-                route = self._lend(route, rid, alone)
+                # a scored prompt runs alone: a lent helper's share of layers has no logits to score with
+                route = self._alone(route, rid) if params.scored else self._lend(route, rid, alone)
             try:
                 decode = route.decode
                 # one engine-side id per attempt: a late call of an abandoned attempt (its reservation left to

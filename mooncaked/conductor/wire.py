@@ -51,7 +51,8 @@ def chunk_to_proto(c: Chunk) -> conductor_pb2.GenerateChunk:
         token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
         top_logprobs=[top_to_proto(t) for t in c.top_logprobs], request_id=c.request_id,
         prompt_tokens=c.prompt_tokens, num_cached_tokens=c.cached_tokens, prefill_instance=c.prefill_instance,
-        decode_instance=c.decode_instance)
+        decode_instance=c.decode_instance, prompt_token_ids=c.prompt_token_ids, prompt_logprobs=c.prompt_logprobs,
+        prompt_top_logprobs=[top_to_proto(t) for t in c.prompt_top_logprobs])
 
 
 def load_from_proto(p: common_pb2.InstanceLoad) -> InstanceLoad:

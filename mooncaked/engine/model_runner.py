@@ -194,7 +194,7 @@ class ModelRunner:
             tops: list[TopLogprobs] = []
             for a in range(0, end - start, SCORE_ROWS):
                 b = min(a + SCORE_ROWS, end - start)
-                rows = torch.log_softmax(self.model.compute_logits(hidden[bounds[k] + a : bounds[k] + b]), dim=-1)
+                rows = torch.log_softmax(self.model.score_logits(hidden[bounds[k] + a : bounds[k] + b]), dim=-1)
                 lps += rows.gather(1, targets[a:b, None]).squeeze(1).tolist()
                 if want:
                     top = torch.topk(rows, want, dim=-1)

@@ -19,7 +19,8 @@ PLAN_DEVIATIONS = Counter(
     "Prompt blocks a prefill's plan said to reuse or pull that it computed instead, by reason: local_evicted "
     "(no longer in its own cache), no_room (no free KV blocks to pull into), no_pool (no KV pool joined), "
     "pool_missing / pool_failed, peer_unknown / peer_unavailable (the lender could not be asked), peer_missing "
-    "(the lender no longer held them), peer_layout, peer_read_failed (the read from the lender failed).",
+    "(the lender no longer held them), peer_layout, peer_read_failed (the read from the lender failed), "
+    "prompt_logprobs (a scored prompt is computed whole).",
     ["reason"])
 PLAN_BLOCKS = Counter("mooncaked_plan_blocks",
                       "Prompt blocks a prefill took instead of computing, by source (local, pool, peer).",

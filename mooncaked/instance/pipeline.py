@@ -334,11 +334,12 @@ class Pipeline:
                 if job.next_opened.row_bytes != self.row_bytes:
                     raise EngineError(PRECONDITION, f"the next stage's hidden states are {job.next_opened.row_bytes} "
                                                     f"bytes a token, here {self.row_bytes}")
-            if not lead:
+            scored = opening.sampling.scored  # computed whole: a reused block has no logits to score it with
+            if not lead and not scored:
                 job.local = await self.engine.call(self._take_run, prompt)
             if job.elastic and not lead:  # a helper: the lead's run, read out of its KV cache
                 job.local += await self._pull_lead_run(job)
-            elif w.pool is not None and not job.elastic:  # the pool's run of this stage's layers, when longer
+            elif w.pool is not None and not job.elastic and not scored:  # the pool's run of these layers, if longer
                 pooled = await w.pool.fetch_prefix(prompt)
                 if pooled:
                     await self.engine.call(self.engine.unreserve, job.local)

@@ -93,7 +93,8 @@ class Prefiller:
         # renewing from the start: a pull that outlasts one renewal must not close the fence
         keeper = spawn(fence.keep(), f"fence-{rid}") if fence.active else None
         try:
-            prepared = await self.fetch.prepare(prompt, plan)
+            # a scored prompt is computed whole here: reused or pulled KV has no logits to score it with
+            prepared = self._scored(prompt, plan) if params.scored else await self.fetch.prepare(prompt, plan)
             refused = None
             if w.was_aborted(rid):  # its Abort overtook it: no byte may go to the decode blocks it names
                 refused = EngineError(CANCELLED, f"request {rid!r} was aborted")
@@ -162,6 +163,14 @@ class Prefiller:
                 ended.set()
 
 
+    def _scored(self, prompt: list[int], plan: PrefillPlan | None) -> Prepared:
+        """Nothing reused for a scored prompt; what its plan named counts as computed instead."""
+        named = 0 if plan is None else plan.reuse_blocks + plan.pull_blocks
+        named = min(named, (len(prompt) - 1) // self.worker.layout.block_size)
+        prepared = Prepared(deviations={"prompt_logprobs": named} if named else {})
+        metrics.deviated(prepared.deviations)
+        return prepared
+
     @staticmethod
     def _keeps_pulled(prepared: Prepared, plan: PrefillPlan | None) -> bool:
         """Whether pulled blocks join this instance's prefix cache: only when the plan replicates them (a hot
@@ -204,4 +213,5 @@ def first_token_result(out: Output, prompt: list[int], params: SamplingParams, p
         first_top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
         cached_tokens=out.num_cached_tokens, computed_tokens=len(prompt) - out.num_cached_tokens,
         finished=finished, finish_reason=(out.finish_reason or "") if finished else "", compute_s=out.compute_s,
-        push_bytes=push.bytes_sent, push_s=push.seconds, **plan_figures)
+        push_bytes=push.bytes_sent, push_s=push.seconds, prompt_logprobs=out.prompt_logprobs or [],
+        prompt_top_logprobs=out.prompt_top_logprobs or [], **plan_figures)

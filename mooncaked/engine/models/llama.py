@@ -237,3 +237,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def score_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits to score a prompt with: from the head's fp32 weights where it keeps them (the CPU
+        default's head picks candidates with cheaper weights, by how many rows a call has), so a
+        prompt's score does not depend on how its steps were cut."""
+        weight = getattr(self.lm_head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            return F.linear(hidden.float(), weight)
+        return self.compute_logits(hidden)

@@ -86,7 +86,7 @@ class PrefillPlan(_message.Message):
     def __init__(self, reuse_blocks: _Optional[int] = ..., pull_from: _Optional[str] = ..., pull_blocks: _Optional[int] = ..., pull_address: _Optional[str] = ..., replicate: _Optional[bool] = ..., pool_fallback: _Optional[bool] = ..., helpers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs", "local_blocks", "pulled_blocks", "pulled_from", "replicated", "deviations")
+    __slots__ = ("first_token_id", "first_logprob", "num_cached_tokens", "num_computed_tokens", "finished", "finish_reason", "compute_s", "push_bytes", "push_s", "first_top_logprobs", "local_blocks", "pulled_blocks", "pulled_from", "replicated", "deviations", "prompt_logprobs", "prompt_top_logprobs")
     class DeviationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class PrefillReply(_message.Message):
     PULLED_FROM_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
     DEVIATIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: float
     num_cached_tokens: int
@@ -124,7 +126,9 @@ class PrefillReply(_message.Message):
     pulled_from: str
     replicated: bool
     deviations: _containers.ScalarMap[str, int]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., local_blocks: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., pulled_from: _Optional[str] = ..., replicated: _Optional[bool] = ..., deviations: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., compute_s: _Optional[float] = ..., push_bytes: _Optional[int] = ..., push_s: _Optional[float] = ..., first_top_logprobs: _Optional[_Union[_common_pb2.TopLogprobs, _Mapping]] = ..., local_blocks: _Optional[int] = ..., pulled_blocks: _Optional[int] = ..., pulled_from: _Optional[str] = ..., replicated: _Optional[bool] = ..., deviations: _Optional[_Mapping[str, int]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "first_top_logprobs")
