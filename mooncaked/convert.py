@@ -28,6 +28,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int = 
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        min_tokens=p.min_tokens,
     )
 
 
@@ -36,7 +37,7 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
         stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logprobs=s.logprobs,
         skip_special_tokens=s.skip_special_tokens, top_logprobs=s.top_logprobs, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, logit_bias=s.logit_bias,
+        frequency_penalty=s.frequency_penalty, logit_bias=s.logit_bias, min_tokens=s.min_tokens,
     )
     if s.seed is not None:
         p.seed = s.seed

@@ -193,6 +193,12 @@ def test_a_batch_of_prompts_answers_each_prompt_in_order(cluster, engine, client
         use = chunk.usage or use
     assert got == [a.choices[0].text for a in alone] and got[1].startswith("t7 t8 t9")
     assert use.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and use.completion_tokens == 6
+    # a prompt the cluster refuses (too long once tokenized) is named by its index
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt=["t5", " ".join(["t6"] * 600)], **args)
+    err = e.value.response.json()["error"]
+    assert err["param"] == "prompt[1]" and err["message"].startswith("prompt[1]: the prompt has 600 tokens"), err
+    assert err["code"] == "context_length_exceeded"
 
 
 def test_logit_bias_reaches_both_engines(cluster, engine, client):
@@ -272,6 +278,19 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(cluster, engine
     assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == choice.logprobs.tokens
 
 
+def test_min_tokens_holds_off_the_stop_ids(cluster, engine, client):
+    """vLLM's min_tokens: the stop token ids (and EOS) cannot end the answer before that many tokens, on
+    the prefill (the first token) and the decode (the rest) alike."""
+    ids = random_prompts([7], seed=82)[0]
+    first = engine.generate([ids], SamplingParams(max_tokens=1))[0].token_ids[0]
+    want = engine.generate([ids], SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[first]))[0]
+    assert len(want.token_ids) >= 4
+    for extra, expect in (({}, [first]), ({"min_tokens": 4}, want.token_ids)):
+        r = client.completions.create(model=_alias(cluster), prompt=ids, max_tokens=8, temperature=0, logprobs=0,
+                                      extra_body={"stop_token_ids": [first], **extra})
+        assert r.choices[0].logprobs.tokens == [_word(t) for t in expect], extra
+
+
 def test_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="t5", max_tokens=1)
@@ -296,6 +315,8 @@ UNSUPPORTED = [
     ("completions", {"logprobs": 6}, "logprobs"),
     ("completions", {"logprobs": True}, "logprobs"),
     ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt scored)
+    ("completions", {"min_tokens": 2}, "min_tokens"),  # above max_tokens (1)
+    ("chat", {"min_tokens": -1}, "min_tokens"),
     ("completions", {"n": 0}, "n"),
     ("completions", {"n": 17}, "n"),
     ("completions", {"presence_penalty": 2.5}, "presence_penalty"),

@@ -154,6 +154,7 @@ class Conductor(Membership):
                 params = dataclasses.replace(spec.sampling)  # our own copy: max_tokens is cut to the context
                 if len(ids) + params.max_tokens > self.model_config.max_position_embeddings:
                     params.max_tokens = self.model_config.max_position_embeddings - len(ids)
+                    params.min_tokens = min(params.min_tokens, params.max_tokens)
                 # closed with this generator: a client that leaves ends the decode stream at once
                 async with contextlib.aclosing(self._serve(rid, ids, params, Deadline.within(spec.timeout_s),
                                                            timer)) as chunks:

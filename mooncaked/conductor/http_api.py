@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +72,19 @@ def api_error(e: errors.ConductorError) -> ApiError:
         status, type_, code = STATUS_MAP.get(type(e), (500, "server_error", "internal_error"))
         if isinstance(e, errors.BadRequest) and e.code:
             code = e.code
-    return ApiError(status, str(e) or type(e).__name__, type_, None, code)
+    return ApiError(status, str(e) or type(e).__name__, type_, getattr(e, "param", None), code)
+
+
+async def _naming(stream: AsyncIterator[Chunk], param: str) -> AsyncIterator[Chunk]:
+    """One prompt's choice in a batch: an error it fails with names the prompt (``prompt[k]``), in its
+    message and as OpenAI's ``param``."""
+    try:
+        async for c in stream:
+            yield c
+    except errors.ConductorError as e:
+        e.args = (f"{param}: {e}",)
+        e.param = param  # type: ignore[attr-defined]
+        raise
 
 
 @dataclass
@@ -160,9 +173,13 @@ class HttpFront:
     async def _generate(self, request: web.Request, spec: OpenAIRequest) -> web.StreamResponse:
         async with contextlib.AsyncExitStack() as stack:
             streams = []
-            for one in spec.choice_specs():  # n > 1 or a batch of prompts: one request per choice (fanout.py)
+            batch = len(spec.prompts) > 1
+            for i, one in enumerate(spec.choice_specs()):  # n > 1 or a batch of prompts: one request a choice
                 stream = self.conductor.generate(one)
                 stack.push_async_callback(stream.aclose)
+                if batch:  # its errors name the prompt (closed before the stream it reads)
+                    stream = _naming(stream, f"prompt[{i // spec.n}]")
+                    stack.push_async_callback(stream.aclose)
                 streams.append(stream)
             # wait for the first chunks before answering: until then every failure (early
             # rejection, no instance) still gets its own status instead of a broken 200 stream

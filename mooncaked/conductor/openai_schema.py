@@ -210,13 +210,15 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None, l
     presence = _number(body, "presence_penalty", -2.0, 2.0, "between -2 and 2")
     frequency = _number(body, "frequency_penalty", -2.0, 2.0, "between -2 and 2")
     repetition = _number(body, "repetition_penalty", 0.0, math.inf, "greater than 0 (1 is off)", lo_open=True)
+    min_tokens = _int(body, "min_tokens", 0, max_tokens, f"between 0 and max_tokens ({max_tokens})")
     p = SamplingParams(
         max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
         logit_bias=_logit_bias(body, served),
         top_k=0 if top_k in (None, -1) else top_k, top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
         seed=seed, stop=list(stop), stop_token_ids=list(stop_ids), ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True), presence_penalty=presence or 0.0,
-        frequency_penalty=frequency or 0.0, repetition_penalty=1.0 if repetition is None else repetition)
+        frequency_penalty=frequency or 0.0, repetition_penalty=1.0 if repetition is None else repetition,
+        min_tokens=min_tokens or 0)
     try:
         p.validate()
     except RequestError as e:  # a combination the engine cannot honour
