@@ -128,3 +128,17 @@ def test_prompt_logprobs_match_transformers(arch, tiny_model_factory):
                                        atol=2e-4, rtol=1e-4)
         else:
             assert out.prompt_top_logprobs is None
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model_factory):
+    """A KV cache of 24 blocks for four sequences that grow to 21-22 blocks each: running ones are preempted
+    and recomputed, and a recompute scores its prompt again without doubling or losing a row."""
+    hf, folder = tiny_model_factory("llama")
+    engine = _engine(folder, kv_cache_bytes=48 << 10, max_num_batched_tokens=16)
+    prompts = random_prompts([30, 35, 40, 45], seed=9)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True, prompt_logprobs=0))
+    assert engine.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
+        want = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=1e-4)
