@@ -29,6 +29,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, default_max_tokens: int = 
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         min_tokens=p.min_tokens,
+        grammar=p.grammar if p.HasField("grammar") else None,
     )
 
 
@@ -45,6 +46,8 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         p.repetition_penalty = s.repetition_penalty
     if s.prompt_logprobs is not None:
         p.prompt_logprobs = s.prompt_logprobs
+    if s.grammar is not None:
+        p.grammar = s.grammar
     return p
 
 

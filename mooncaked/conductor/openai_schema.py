@@ -10,17 +10,20 @@ OpenAI clients send them. An unknown model is a 404, as OpenAI's.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
 import reprlib
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncaked.conductor.core import GenerateSpec
 from mooncaked.conductor.errors import too_long_message
 from mooncaked.engine import RequestError, SamplingParams
+from mooncaked.engine.grammar import MAX_GRAMMAR_BYTES, grammar_error, json_schema_grammar, regex_grammar
 from mooncaked.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16
@@ -218,7 +221,7 @@ def _sampling(body: dict, served: ServedModel, max_tokens_default: int | None, l
         seed=seed, stop=list(stop), stop_token_ids=list(stop_ids), ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True), presence_penalty=presence or 0.0,
         frequency_penalty=frequency or 0.0, repetition_penalty=1.0 if repetition is None else repetition,
-        min_tokens=min_tokens or 0)
+        min_tokens=min_tokens or 0, grammar=_grammar(body))
     try:
         p.validate()
     except RequestError as e:  # a combination the engine cannot honour
@@ -267,8 +270,55 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-_COMMON_UNSUPPORTED = {"tools": (None, []), "functions": (None, []),
-                       "response_format": (None, {"type": "text"})}
+_COMMON_UNSUPPORTED = {"tools": (None, []), "functions": (None, [])}
+_GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def _grammar(body: dict) -> str | None:
+    """Structured outputs as a grammar (engine/grammar.py): OpenAI's ``response_format`` (``json_object``,
+    ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one of them."""
+    given = [k for k in _GUIDES if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise bad(f"give at most one of {', '.join(given)}", given[1])
+    name = given[0]
+    v = body[name]
+    if name == "response_format":
+        kind = v.get("type") if isinstance(v, dict) else None
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        elif kind == "json_schema" and isinstance(v.get("json_schema"), dict):
+            schema = v["json_schema"].get("schema", {"type": "object"})
+        else:
+            raise bad('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                      '"json_schema", "json_schema": {"name": ..., "schema": {...}}}', name)
+        return _compiled(name, lambda: json_schema_grammar(schema), schema)
+    if name == "guided_json":  # a schema, or a schema as a string
+        return _compiled(name, lambda: json_schema_grammar(json.loads(v) if isinstance(v, str) else v), v)
+    if name == "guided_regex":
+        if not isinstance(v, str) or not v:
+            raise bad("guided_regex must be a non-empty string (a regular expression)", name)
+        return _compiled(name, lambda: regex_grammar(v), v)
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise bad("guided_choice must be a non-empty list of non-empty strings", name)
+    return _compiled(name, lambda: regex_grammar("|".join(f"({re.escape(c)})" for c in v)), v)
+
+
+def _compiled(name: str, compile_it, source: Any) -> str:
+    """A grammar compiled and checked, its source bounded first; any failure is a 400 naming ``name``."""
+    if not isinstance(source, (dict, bool, str, list)):
+        raise bad(f"{name} must hold a JSON schema (an object), a regex or a list of choices", name)
+    if len(source if isinstance(source, str) else json.dumps(source)) > MAX_GRAMMAR_BYTES:
+        raise bad(f"{name} is over {MAX_GRAMMAR_BYTES} bytes", name)
+    try:
+        grammar = compile_it()
+    except (ValueError, TypeError, RecursionError) as e:  # RecursionError: a string schema nested too deep
+        raise bad(f"{name} could not be compiled: {_short(str(e))}", name) from None
+    why = grammar_error(grammar)
+    if why:
+        raise bad(f"{name}: {why}", name)
+    return grammar
 
 
 # -- requests -------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from mooncaked.engine.driver import Driver
 from mooncaked.engine.precision import cpu_flags, pick_precision
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
+from mooncaked.engine.grammar import Constraint
 from mooncaked.engine.model_runner import ModelRunner, PromptScores, stage_config
 from mooncaked.engine.outputs import Output, TopLogprobs
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
@@ -379,6 +380,9 @@ class Engine:
                             (s.seq.layers[1] if s.seq.layers is not None else held) - 1) for s in plan.scheduled]
             user_hook = self.layer_hook
             hook = lambda layer, meta: user_hook(layer, info)  # noqa: E731
+        for s in plan.scheduled:  # a grammar's state, before its first sampled token
+            if s.samples and s.seq.params.grammar is not None and self.runner.samples(s.seq.layers):
+                self._constraint(s.seq)
         try:
             hidden_in = self._stage_inputs(plan.scheduled)
             result = self.runner.run(plan.scheduled, hook, hidden_in=hidden_in)
@@ -472,9 +476,23 @@ class Engine:
             self._held[seq.request_id] = seq
         outputs.append(self._emit(req, []))
 
+    def _constraint(self, seq: Sequence) -> Constraint:
+        """The request's grammar state, made on first use from the tokens it already has (on a decode
+        instance: the first token, which the prefill chose under the same grammar)."""
+        if seq.constraint is None:
+            seq.constraint = Constraint.for_request(self.model_dir, self.eos_token_ids, self.model_config.vocab_size,
+                                                    seq.params.grammar or "", seq.output_token_ids)
+        return seq.constraint
+
     def _append_token(self, req: _Request, token: int, logprob: float | None, top: TopLogprobs | None,
                       outputs: list[Output]) -> None:
         seq = req.seq
+        constraint = self._constraint(seq) if seq.params.grammar is not None else None
+        if constraint is not None:
+            constraint.accept(token)
+            if constraint.error is not None:
+                self._fail(req, f"token {token} does not keep to the grammar: {constraint.error}", outputs)
+                return
         seq.output_token_ids.append(token)
         self._decode_tokens += 1
         if logprob is not None:
@@ -483,7 +501,7 @@ class Engine:
             seq.top_logprobs.append(top)
         reason = None
         hit_stop = req.detok.add(seq.output_token_ids)
-        if token in seq.stop_ids or hit_stop:
+        if token in seq.stop_ids or hit_stop or (constraint is not None and constraint.done):
             reason = "stop"
         elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

@@ -155,11 +155,14 @@ class ModelRunner:
                       else None for s in samplers]
             histories = [History(s.seq.prompt_token_ids, s.seq.output_token_ids) if s.seq.params.penalized
                          else None for s in samplers]
-            out = sample(logits, params, gens, banned, histories)
+            # structured outputs: each constrained row's allowed tokens (the engine made its Constraint)
+            allowed = [s.seq.constraint.allowed() if s.seq.constraint is not None else None for s in samplers]
+            out = sample(logits, params, gens, banned, histories, allowed)
             for k, s in enumerate(samplers):
                 rid = s.seq.request_id
-                if out.errors is not None and out.errors[k] is not None:
-                    errors[rid] = out.errors[k]
+                broken = s.seq.constraint.error if s.seq.constraint is not None else None
+                if broken is not None or (out.errors is not None and out.errors[k] is not None):
+                    errors[rid] = broken or out.errors[k]  # type: ignore[index]
                     continue
                 tokens[rid] = out.token_ids[k]
                 if out.logprobs is not None and out.logprobs[k] is not None:

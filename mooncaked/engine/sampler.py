@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mooncaked.engine.grammar import NO_TOKEN
 from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.engine.sampling_params import SamplingParams
 
@@ -51,12 +52,16 @@ class Sampled:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            banned: list[frozenset[int] | None] | None = None,
-           histories: list[History | None] | None = None) -> Sampled:
+           histories: list[History | None] | None = None,
+           allowed: list[torch.Tensor | None] | None = None) -> Sampled:
     """logits: [S, V], any float dtype (not modified; sampled in float32).
 
     ``generators[i]``: row i's random source (None: torch's global one).
     ``banned[i]``: token ids row i may not choose (min_tokens keeps EOS out of reach).
     ``histories[i]``: row i's prompt and output so far; needed only for rows with penalties.
+    ``allowed[i]``: [V] bool, the only tokens row i may choose (its grammar): applied last and
+    never relaxed (a ban that leaves none of them falls back to the allowed ones' raw logits);
+    a row that allows none fails (``Sampled.errors``).
     """
     logits = logits.float()
     # one pass decides the common case: no NaN or infinity anywhere, so no row is broken and (with no
@@ -90,6 +95,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     vocab_banned = masked and any(ids and len(ids) >= vocab for ids in banned)  # type: ignore[union-attr]
     if not clean or penalized or vocab_banned:
         x = _choosable(x, logits, broken)
+    unmet: dict[int, str] = {}
+    if allowed is not None and any(a is not None for a in allowed):
+        x = logits.clone() if x is logits else x
+        unmet = _constrain(x, logits, allowed)
     if all(p.greedy for p in params):
         chosen = x.argmax(dim=-1)
     else:
@@ -98,8 +107,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             chosen[i] = x[i].argmax() if p.greedy else _sample_row(x[i], p, generators[i])
     ids_and_flags = torch.stack([chosen, broken.long()]).tolist()  # the one host sync
     out = Sampled(ids_and_flags[0])
-    if any(ids_and_flags[1]):
-        out.errors = [BROKEN_ROW if bad else None for bad in ids_and_flags[1]]
+    if any(ids_and_flags[1]) or unmet:
+        out.errors = [BROKEN_ROW if bad else unmet.get(i) for i, bad in enumerate(ids_and_flags[1])]
     if raw_logprobs is not None:
         lps = raw_logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
         out.logprobs = [lp if p.logprobs else None for lp, p in zip(lps, params)]
@@ -110,6 +119,27 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             out.top_logprobs = [TopLogprobs(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])
                                 if p.logprobs else None for i, p in enumerate(params)]
     return out
+
+
+def _constrain(x: torch.Tensor, raw: torch.Tensor, allowed: list[torch.Tensor | None]) -> dict[int, str]:
+    """Mask each constrained row of ``x`` (in place) to its allowed tokens; the rows that allow none."""
+    unmet: dict[int, str] = {}
+    for i, ok in enumerate(allowed):
+        if ok is None:
+            continue
+        ok = ok.to(x.device)
+        if ok.shape[0] < x.shape[1]:  # the logits are wider than the tokenizer's vocabulary
+            ok = torch.cat([ok, ok.new_zeros(x.shape[1] - ok.shape[0])])
+        if not bool(ok.any()):
+            unmet[i] = NO_TOKEN
+            continue
+        row = x[i].masked_fill(~ok, float("-inf"))
+        if bool(torch.isneginf(row).all()):  # bans and penalties left none: the allowed ones, as the model has them
+            row = torch.nan_to_num(raw[i], nan=float("-inf")).masked_fill(~ok, float("-inf"))
+            if bool(torch.isneginf(row).all()):
+                row = torch.where(ok, 0.0, float("-inf"))
+        x[i] = row
+    return unmet
 
 
 def _broken_rows(logits: torch.Tensor) -> torch.Tensor:

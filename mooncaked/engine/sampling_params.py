@@ -41,6 +41,9 @@ class SamplingParams:
     # this many most likely tokens at each position; None: off. The whole prompt is then computed (no
     # prefix cache, pool or peer KV: a reused block has no logits)
     prompt_logprobs: int | None = None
+    # structured outputs: an llguidance grammar (engine/grammar.py: from a JSON schema, a regex, Lark) that
+    # every token must keep to; the answer stops once it is complete. None: free text
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +84,12 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise RequestError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
                                f"got {self.prompt_logprobs!r}")
+        if self.grammar is not None:
+            from mooncaked.engine.grammar import grammar_error
+
+            why = grammar_error(self.grammar)
+            if why:
+                raise RequestError(why)
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases")
         for t, b in self.logit_bias.items():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mooncaked.engine.grammar import Constraint
 from mooncaked.engine.outputs import TopLogprobs
 from mooncaked.engine.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ class Sequence:
     # with params.prompt_logprobs: entry i is prompt token i + 1's log-prob (and the most likely there)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    constraint: Constraint | None = None  # with params.grammar, from the first token it samples or receives
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     admitted_once: bool = False
