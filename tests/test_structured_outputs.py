@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "properties": {"name": {"type": "string", "maxLength": 24},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 150}},
     "required": ["name", "age"],
     "additionalProperties": False,
 }
