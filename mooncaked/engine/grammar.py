@@ -71,11 +71,10 @@ class Constraint:
     @classmethod
     def for_request(cls, model_dir: Path, eos_ids: frozenset[int], vocab_size: int, grammar: str,
                     produced: list[int]) -> "Constraint":
-        try:
-            return cls(grammar_tokenizer(model_dir, eos_ids, vocab_size), grammar, produced)
-        except Exception as e:  # no tokenizer.json, a tokenizer llguidance cannot read: this request fails
-            log.warning("cannot constrain a request to its grammar: %r", e)
-            return cls(None, grammar, produced, failed=f"the grammar cannot be applied to this model: {e}")
+        tok = grammar_tokenizer(model_dir, eos_ids, vocab_size)
+        if isinstance(tok, str):  # no tokenizer.json, or one llguidance cannot read: this request fails
+            return cls(None, grammar, produced, failed=f"the grammar cannot be applied to this model: {tok}")
+        return cls(tok, grammar, produced)
 
     @property
     def error(self) -> str | None:
@@ -102,5 +101,10 @@ class Constraint:
 
 
 @functools.lru_cache(maxsize=4)
-def grammar_tokenizer(model_dir: Path, eos_ids: frozenset[int], vocab_size: int) -> GrammarTokenizer:
-    return GrammarTokenizer(model_dir, eos_ids, vocab_size)
+def grammar_tokenizer(model_dir: Path, eos_ids: frozenset[int], vocab_size: int) -> GrammarTokenizer | str:
+    """The model's GrammarTokenizer, or why there is none (said once; each request then fails with it)."""
+    try:
+        return GrammarTokenizer(model_dir, eos_ids, vocab_size)
+    except Exception as e:
+        log.warning("requests with a grammar cannot be served for %s: %s", model_dir, e)
+        return str(e)
