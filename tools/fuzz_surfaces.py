@@ -102,7 +102,7 @@ OPENAI_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_to
                  "top_k", "min_p", "n", "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "stream", "stream_options", "user",
                  "logit_bias", "ignore_eos", "skip_special_tokens", "suffix", "best_of", "tools", "response_format",
-                 "min_tokens", "tool_choice"]
+                 "min_tokens", "tool_choice", "guided_json", "guided_regex", "guided_choice"]
 INDEXER_FIELDS = ["tokens", "token_ids", "block_hashes", "model", "model_name", "instance_id", "tenant_id", "dp_rank",
                   "endpoint", "type", "lora_name", "lora_id", "block_size", "events", "medium", "parent_block_hash"]
 
