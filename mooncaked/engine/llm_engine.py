@@ -29,10 +29,11 @@ from mooncaked.engine.block_manager import BlockManager
 from mooncaked.engine.config import EngineConfig, parse_dtype
 from mooncaked.engine.driver import Driver
 from mooncaked.engine.precision import cpu_flags, pick_precision
+from mooncaked.engine.prompt_scores import keep_scores
 from mooncaked.engine.kv_cache import bytes_per_block, plan_num_blocks
 from mooncaked.engine.loader import read_model_config, resolve_model_dir
 from mooncaked.engine.grammar import Constraint
-from mooncaked.engine.model_runner import ModelRunner, PromptScores, stage_config
+from mooncaked.engine.model_runner import ModelRunner, stage_config
 from mooncaked.engine.outputs import Output, TopLogprobs
 from mooncaked.engine.sampling_params import RequestError, SamplingParams
 from mooncaked.engine.scheduler import ScheduledSeq, Scheduler
@@ -406,7 +407,7 @@ class Engine:
                 continue
             scores = result.prompt_scores.get(rid)
             if scores is not None:
-                _keep_scores(s.seq, scores)
+                keep_scores(s.seq, scores)
             self._apply(s, result.tokens.get(rid), result.logprobs.get(rid), result.top_logprobs.get(rid), outputs)
         return outputs
 
@@ -648,13 +649,3 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             steps=self._steps,
         )
-
-
-def _keep_scores(seq: Sequence, scores: PromptScores) -> None:
-    """Append a step's prompt log-probs; rows a recompute (after preemption) scored again are skipped."""
-    skip = len(seq.prompt_logprobs) - scores.start
-    if skip < 0:
-        raise RuntimeError(f"{seq.request_id}: prompt rows {len(seq.prompt_logprobs)}..{scores.start} were not scored")
-    seq.prompt_logprobs += scores.logprobs[skip:]
-    if scores.top is not None:
-        seq.prompt_top_logprobs += scores.top[skip:]

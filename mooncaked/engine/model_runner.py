@@ -23,6 +23,7 @@ from mooncaked.engine.kv_cache import KVCache
 from mooncaked.engine.loader import check_checkpoint, load_weights
 from mooncaked.engine.models.llama import LayerHook, LlamaForCausalLM
 from mooncaked.engine.outputs import TopLogprobs
+from mooncaked.engine.prompt_scores import PromptScores, score_prompts
 from mooncaked.engine.precision import Precision, check_supported, cpu_flags, native_bf16
 from mooncaked.engine.quant import quantize_model
 from mooncaked.engine.sampler import History, draw_seed, sample
@@ -30,20 +31,6 @@ from mooncaked.engine.scheduler import ScheduledSeq
 from mooncaked.engine.stage import PipelineStage
 
 log = logging.getLogger(__name__)
-
-# scored prompts (``SamplingParams.prompt_logprobs``) go through the head this many rows at a time: a whole
-# 8k-token chunk at once would hold 8k x vocab fp32 logits (1.6 GB for a 49k vocabulary)
-SCORE_ROWS = 256
-
-
-@dataclass
-class PromptScores:
-    """Log-probs of prompt tokens ``start + 1 ..`` given the tokens before each (one step's rows)."""
-
-    start: int  # the position whose logits give ``logprobs[0]`` (prompt token ``start + 1``)
-    logprobs: list[float]
-    top: list[TopLogprobs] | None  # with prompt_logprobs > 0: the most likely tokens at each position
-
 
 @dataclass
 class StepResult:
@@ -169,7 +156,7 @@ class ModelRunner:
                     logprobs[rid] = out.logprobs[k]
                 if out.top_logprobs is not None and out.top_logprobs[k] is not None:
                     tops[rid] = out.top_logprobs[k]
-        scores = self._score_prompts(batch, hidden, meta.cu_seqlens_q.tolist())
+        scores = score_prompts(self.model, batch, hidden, meta.cu_seqlens_q.tolist(), self.device)
         full: dict[str, torch.Tensor] = {}
         if all_logits:
             bounds = meta.cu_seqlens_q.tolist()
@@ -177,33 +164,6 @@ class ModelRunner:
                 full[s.seq.request_id] = self.model.compute_logits(hidden[bounds[k] : bounds[k + 1]])
         return StepResult(tokens, logprobs, time.perf_counter() - t0, int(input_ids.shape[0]), full, tops, errors,
                           prompt_scores=scores)
-
-    def _score_prompts(self, batch: list[ScheduledSeq], hidden: torch.Tensor,
-                       bounds: list[int]) -> dict[str, PromptScores]:
-        """For each scored sequence, the log-prob of every prompt token this step's rows predict (row at
-        position p predicts token p + 1), from the raw model distribution, as the sampled tokens' are."""
-        out: dict[str, PromptScores] = {}
-        for k, s in enumerate(batch):
-            seq = s.seq
-            if not seq.params.scored:
-                continue
-            start = seq.num_computed_tokens
-            end = min(start + s.num_new_tokens, len(seq.prompt_token_ids) - 1)  # the last row predicts no prompt token
-            if end <= start:
-                continue
-            targets = torch.tensor(seq.prompt_token_ids[start + 1 : end + 1], device=self.device)
-            want = seq.params.prompt_logprobs or 0
-            lps: list[float] = []
-            tops: list[TopLogprobs] = []
-            for a in range(0, end - start, SCORE_ROWS):
-                b = min(a + SCORE_ROWS, end - start)
-                rows = torch.log_softmax(self.model.score_logits(hidden[bounds[k] + a : bounds[k] + b]), dim=-1)
-                lps += rows.gather(1, targets[a:b, None]).squeeze(1).tolist()
-                if want:
-                    top = torch.topk(rows, want, dim=-1)
-                    tops += [TopLogprobs(i, v) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-            out[seq.request_id] = PromptScores(start, lps, tops if want else None)
-        return out
 
     def _graphed(self, batch: list[ScheduledSeq], meta: AttentionMetadata, layer_hook: LayerHook | None,
                  layers: tuple[int, int] | None) -> bool:
