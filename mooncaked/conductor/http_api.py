@@ -9,6 +9,7 @@ OpenAI-style JSON body; a bad request never takes the server down.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hmac
@@ -29,7 +30,8 @@ from mooncaked.conductor.fanout import first_chunks, merged
 from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
 from mooncaked.conductor.json_body import decode_json
 from mooncaked.conductor.openai_response import Responder, TokenTexts, batch_usage
-from mooncaked.conductor.openai_schema import ApiError, OpenAIRequest, ServedModel, parse_chat, parse_completion
+from mooncaked.conductor.openai_schema import (GUIDES, ApiError, OpenAIRequest, ServedModel, parse_chat,
+                                               parse_completion)
 from mooncaked.role_metrics import registry_for
 from mooncaked.security import TOKEN_HEADER, Security
 
@@ -152,7 +154,11 @@ class HttpFront:
 
     async def _parse(self, request: web.Request, parse) -> OpenAIRequest:
         try:
-            return parse(await self.body(request), self.served)
+            body = await self.body(request)
+            if isinstance(body, dict) and any(body.get(k) is not None for k in GUIDES):
+                # compiling a schema into a grammar takes ms (tens near the size bound): off the event loop
+                return await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
+            return parse(body, self.served)
         except ApiError:
             metrics.refused("http", "invalid_argument")  # refused before the request path saw it
             raise

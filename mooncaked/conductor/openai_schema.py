@@ -271,13 +271,13 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 
 _COMMON_UNSUPPORTED = {"tools": (None, []), "functions": (None, [])}
-_GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice")
+GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice")
 
 
 def _grammar(body: dict) -> str | None:
     """Structured outputs as a grammar (engine/grammar.py): OpenAI's ``response_format`` (``json_object``,
     ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one of them."""
-    given = [k for k in _GUIDES if body.get(k) is not None and body.get(k) != {"type": "text"}]
+    given = [k for k in GUIDES if body.get(k) is not None and body.get(k) != {"type": "text"}]
     if not given:
         return None
     if len(given) > 1:
