@@ -5,8 +5,9 @@ Order, as vLLM's: log-probs are taken from the raw logits (the model's own distr
 min_tokens bans, logit_bias, penalties, temperature or top-k/p/min-p filtering: vLLM's default
 ``raw_logprobs``), so they mean the same whatever the request's sampling settings; then logit_bias
 is added, banned tokens are masked, penalties applied (repetition, then frequency and presence),
-and the token is chosen: argmax when greedy (penalties and biases apply there too, as in HF and
-vLLM), otherwise temperature, top-k, min-p, top-p and a draw.
+a grammar's allowed tokens kept (structured outputs: engine/grammar.py), and the token is chosen:
+argmax when greedy (penalties, biases and the grammar apply there too, as in HF and vLLM), otherwise
+temperature, top-k, min-p, top-p and a draw.
 
 Numerically safe for any settings ``SamplingParams`` accepts: sampling runs in float32, the
 logits are shifted so their maximum is 0 before the temperature divides them (nothing
