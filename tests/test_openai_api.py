@@ -325,7 +325,8 @@ UNSUPPORTED = [
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": 2}, "logprobs"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # chat only
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),  # the deprecated form
 ]
 
 

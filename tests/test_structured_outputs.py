@@ -114,3 +114,87 @@ def test_the_cluster_constrains_on_both_engines_as_one_engine_does(cluster, engi
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=model, messages=ASK, max_tokens=4, extra_body=bad)
             assert e.value.response.json()["error"]["param"] == param
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tools_are_offered_and_read_back_in_openai_shapes():
+    """conductor/tool_calls.py alone: what it takes, what it refuses, how a call and an earlier call read."""
+    from mooncaked.conductor.tool_calls import Tools, ToolError, calls_in, parse_tools, shown_content
+
+    assert parse_tools({}) is None and parse_tools({"tools": [WEATHER], "tool_choice": "none"}) is None
+    tools = parse_tools({"tools": [WEATHER, ADD]})
+    assert tools == Tools(tools.functions, "auto") and tools.names == {"get_weather", "add"}
+    named = parse_tools({"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert named.choice == "add"
+    for body, param in (({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0]"),
+                        ({"tools": [WEATHER, WEATHER]}, "tools"),
+                        ({"tools": [WEATHER] * 65}, "tools"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice")):
+        with pytest.raises(ToolError) as e:
+            parse_tools(body)
+        assert e.value.param == param
+    call = calls_in('{"name": "add", "arguments": {"a": 1, "b": 2}}', tools)
+    assert call[0]["type"] == "function" and call[0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
+    assert calls_in("It is sunny.", tools) is None and calls_in('{"name": "add", "argu', tools) is None
+    assert calls_in('{"name": "other", "arguments": {}}', tools) is None
+    earlier = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "add", "arguments": '{"a": 1}'}}]}
+    assert json.loads(shown_content(earlier, 1)) == {"name": "add", "arguments": {"a": 1}}
+    with pytest.raises(ToolError):
+        shown_content({"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": "{"}}]}, 1)
+
+
+def test_the_cluster_calls_tools_as_one_engine_does(cluster, engine):
+    """A required call through the cluster equals the single engine's answer under the same grammar; a named
+    function, a streamed call, a conversation that carries a call and its result back, and bad requests."""
+    from mooncaked.conductor.tool_calls import grammar_source, parse_tools, system_text
+
+    tools = parse_tools({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    kind, source = grammar_source(tools)
+    assert kind == "json"
+    want = engine.generate([engine.tokenizer.encode_chat([{"role": "system", "content": system_text(tools)},
+                                                          *WEATHER_ASK])],
+                           SamplingParams(max_tokens=60, grammar=json_schema_grammar(json.loads(source))))[0]
+    with openai.OpenAI(base_url=f"{cluster.http}/v1", api_key="unused", timeout=60, max_retries=0) as client:
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, ADD],
+                                           tool_choice="required", max_tokens=60, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert {"name": call.function.name, "arguments": json.loads(call.function.arguments)} == json.loads(want.text)
+        named = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, ADD], temperature=0,
+                                               tool_choice={"type": "function", "function": {"name": "add"}},
+                                               max_tokens=60)
+        args = json.loads(named.choices[0].message.tool_calls[0].function.arguments)
+        assert named.choices[0].message.tool_calls[0].function.name == "add" and set(args) == {"a", "b"}
+        streamed = list(client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, ADD],
+                                                       tool_choice="required", max_tokens=60, temperature=0,
+                                                       stream=True))
+        deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
+            [(call.function.name, json.loads(call.function.arguments))]
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+        back = client.chat.completions.create(model=model, max_tokens=8, temperature=0, tools=[WEATHER], messages=[
+            *WEATHER_ASK, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                                 "arguments": call.function.arguments}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}])
+        assert back.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        for bad, param in (({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "tools"),
+                           ({"tool_choice": "required"}, "tool_choice"),
+                           ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0]")):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(model=model, messages=WEATHER_ASK, max_tokens=4, extra_body=bad)
+            assert e.value.response.json()["error"]["param"] == param

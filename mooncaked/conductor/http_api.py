@@ -30,7 +30,7 @@ from mooncaked.conductor.fanout import first_chunks, merged
 from mooncaked.conductor.http_limits import GuardedSite, HttpLimits, closes_connection, read_body
 from mooncaked.conductor.json_body import decode_json
 from mooncaked.conductor.openai_response import Responder, TokenTexts, batch_usage
-from mooncaked.conductor.openai_schema import (GUIDES, ApiError, OpenAIRequest, ServedModel, parse_chat,
+from mooncaked.conductor.openai_schema import (COMPILED, ApiError, OpenAIRequest, ServedModel, parse_chat,
                                                parse_completion)
 from mooncaked.role_metrics import registry_for
 from mooncaked.security import TOKEN_HEADER, Security
@@ -155,7 +155,7 @@ class HttpFront:
     async def _parse(self, request: web.Request, parse) -> OpenAIRequest:
         try:
             body = await self.body(request)
-            if isinstance(body, dict) and any(body.get(k) is not None for k in GUIDES):
+            if isinstance(body, dict) and any(body.get(k) is not None for k in COMPILED):
                 # compiling a schema into a grammar takes ms (tens near the size bound): off the event loop
                 return await asyncio.get_running_loop().run_in_executor(None, parse, body, self.served)
             return parse(body, self.served)
@@ -198,7 +198,7 @@ class HttpFront:
             rest = merged(streams)
             stack.push_async_callback(rest.aclose)  # closed before the streams it reads
             out = Responder(spec, firsts[0].request_id, self.texts, self._prompt_texts(spec))
-            if spec.stream:
+            if spec.stream and spec.tools is None:
                 return await self._sse(request, out, firsts, rest)
             chunks = [[f] for f in firsts]
             try:
@@ -208,7 +208,26 @@ class HttpFront:
                 raise api_error(e) from None
         shown = 0 if spec.score_only else sum(len(c.token_ids) for cs in chunks for c in cs)
         use = batch_usage(firsts, spec.n, shown)
+        if spec.stream:  # tools offered: whether the answer is a call is known once it is whole
+            return await self._sse_whole(request, out, [Chunk.join(cs) for cs in chunks], use)
         return web.json_response(out.response([Chunk.join(cs) for cs in chunks], use))
+
+    async def _sse_whole(self, request: web.Request, out: Responder, choices: list[Chunk],
+                         use: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        lines = [c for i, choice in enumerate(choices) for c in out.whole_chunks(i, choice)]
+        if out.spec.include_usage:
+            lines.append(out.usage_chunk(use))
+        try:
+            for obj in lines:
+                await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("client of %s went away mid-stream", out.rid)
+        return resp
 
     async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncaked.conductor.openai_schema import OpenAIRequest
+from mooncaked.conductor.tool_calls import calls_in
 from mooncaked.proto.mooncake.v1 import conductor_pb2
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM answers this instead
@@ -120,12 +121,37 @@ class Responder:
         finish = c.finish_reason or None
         if self.spec.chat:
             if state is None:
-                return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                        "finish_reason": finish}
+                message, finish = self._message(c, finish)
+                return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             delta: dict[str, Any] = {"role": "assistant", "content": c.text} if first else {"content": c.text}
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         text = self.prompt_texts[index // self.spec.n] + c.text if self.spec.echo and first else c.text
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _message(self, c: conductor_pb2.GenerateChunk, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole chat answer: its text, or with tools offered the call it made (conductor/tool_calls.py)."""
+        calls = calls_in(c.text, self.spec.tools) if self.spec.tools is not None else None
+        if calls is None:
+            return {"role": "assistant", "content": c.text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+    def whole_chunks(self, index: int, c: conductor_pb2.GenerateChunk) -> list[dict[str, Any]]:
+        """A whole chat answer as a stream's chunks: with tools offered an answer is streamed only once it
+        is known to be a call or text, as one delta and then its finish reason."""
+        message, finish = self._message(c, c.finish_reason or None)
+        delta = dict(message)
+        if "tool_calls" in delta:
+            delta.pop("content")
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
+        logprobs = self._chat_logprobs(c) if self.spec.logprobs is not None else None
+        out = []
+        for choice in ({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None},
+                       {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}):
+            chunk = {**self._head(self.chunk_obj), "choices": [choice]}
+            if self.spec.include_usage:
+                chunk["usage"] = None
+            out.append(chunk)
+        return out
 
     def _completion_logprobs(self, c: conductor_pb2.GenerateChunk, state: _Choice, echo: bool) -> dict[str, Any]:
         """``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``; each

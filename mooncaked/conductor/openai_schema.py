@@ -23,7 +23,9 @@ from typing import Any
 from mooncaked.conductor.core import GenerateSpec
 from mooncaked.conductor.errors import too_long_message
 from mooncaked.engine import RequestError, SamplingParams
-from mooncaked.engine.grammar import MAX_GRAMMAR_BYTES, grammar_error, json_schema_grammar, regex_grammar
+from mooncaked.conductor.tool_calls import ToolError, Tools, grammar_source, parse_tools, shown_content, system_text
+from mooncaked.engine.grammar import (MAX_GRAMMAR_BYTES, grammar_error, json_schema_grammar, lark_grammar,
+                                      regex_grammar)
 from mooncaked.engine.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 MAX_STOP_STRINGS = 16
@@ -77,6 +79,7 @@ class OpenAIRequest:
     n: int = 1  # choices per prompt: n requests, choice i seeded with seed + i
     logprobs: int | None = None  # None: no log-probs; else how many top tokens to list per position
     echo: bool = False  # completions: the answer's text starts with the prompt's
+    tools: Tools | None = None  # chat: the functions offered (an answer that calls one gets tool_calls)
     # completions with echo and max_tokens 0: the prompt scored, nothing generated (one token is, and dropped)
     score_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -270,8 +273,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, _bool(opts, "include_usage")
 
 
-_COMMON_UNSUPPORTED = {"tools": (None, []), "functions": (None, [])}
+_COMMON_UNSUPPORTED = {"functions": (None, [])}
 GUIDES = ("response_format", "guided_json", "guided_regex", "guided_choice")
+COMPILED = (*GUIDES, "tools")  # fields that compile a grammar: the HTTP front parses them off its event loop
 
 
 def _grammar(body: dict) -> str | None:
@@ -327,7 +331,8 @@ def parse_completion(body: Any, served: ServedModel) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body, served)
-    _unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "best_of": (None, 1)})
+    _unsupported(body, {**_COMMON_UNSUPPORTED, "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+                        "tool_choice": (None, "none")})
     prompt = body.get("prompt")
     if prompt is None:
         raise bad("prompt is required", "prompt")
@@ -380,18 +385,25 @@ def parse_chat(body: Any, served: ServedModel) -> GenerateSpec:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = _model(body, served)
-    _unsupported(body, {**_COMMON_UNSUPPORTED, "tool_choice": (None, "none")})
+    _unsupported(body, _COMMON_UNSUPPORTED)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list", "messages")
     req = GenerateSpec(sampling=_sampling(body, served, None), messages=[], front="http")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = m.get("role")
-        if role not in _CHAT_ROLES:
-            raise bad(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}", f"messages[{i}].role")
-        req.messages.append({"role": role, "content": _content(m, i)})
+    try:
+        tools = parse_tools(body)
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise bad(f"messages[{i}] must be an object", f"messages[{i}]")
+            role = m.get("role")
+            if role not in _CHAT_ROLES:
+                raise bad(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}", f"messages[{i}].role")
+            calls = shown_content(m, i) if role == "assistant" else None  # its earlier tool calls, as JSON
+            req.messages.append({"role": role, "content": _content(m, i) if calls is None else calls})
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+    if tools is not None:
+        _offer(req, tools)
     top = _int(body, "top_logprobs", 0, MAX_CHAT_TOP_LOGPROBS, f"between 0 and {MAX_CHAT_TOP_LOGPROBS}")
     if _bool(body, "logprobs"):
         logprobs = _ask_logprobs(req, top or 0)
@@ -400,4 +412,22 @@ def parse_chat(body: Any, served: ServedModel) -> GenerateSpec:
     else:
         logprobs = None
     stream, usage = _stream_flags(body)
-    return OpenAIRequest(model, req, chat=True, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs)
+    return OpenAIRequest(model, req, chat=True, stream=stream, include_usage=usage, n=_n(body), logprobs=logprobs,
+                         tools=tools)
+
+
+def _offer(req: GenerateSpec, tools: Tools) -> None:
+    """Tell the model of the tools (after the request's own system message) and hold its answer to a call,
+    or with "auto" to a call or text (conductor/tool_calls.py)."""
+    if req.sampling.grammar is not None:
+        raise bad("tools cannot be combined with response_format or guided_*", "tools")
+    text = system_text(tools)
+    first = req.messages[0]
+    if first["role"] in ("system", "developer"):
+        first["content"] = f"{first['content']}\n\n{text}"
+    else:
+        req.messages.insert(0, {"role": "system", "content": text})
+    kind, source = grammar_source(tools)
+    grammar = _compiled("tools", lambda: json_schema_grammar(json.loads(source)) if kind == "json"
+                        else lark_grammar(source), source)
+    req.sampling = dataclasses.replace(req.sampling, grammar=grammar)

@@ -37,6 +37,11 @@ def regex_grammar(regex: str) -> str:
     return _llguidance().LLMatcher.grammar_from_regex(regex)
 
 
+def lark_grammar(lark: str) -> str:
+    """A grammar in llguidance's Lark dialect (``%json {schema}`` embeds a JSON schema)."""
+    return _llguidance().LLMatcher.grammar_from_lark(lark)
+
+
 def grammar_error(grammar: object) -> str | None:
     """Why ``grammar`` cannot constrain a request, or None: checked before the request is queued (by each
     process it passes through; the last answers are remembered, as most requests repeat a few schemas)."""
