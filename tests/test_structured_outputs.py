@@ -140,6 +140,7 @@ def test_tools_are_offered_and_read_back_in_openai_shapes():
                         ({"tools": [WEATHER] * 65}, "tools"),
                         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}},
                          "tool_choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "add"}}, "tool_choice"),
                         ({"tool_choice": "required"}, "tool_choice")):
         with pytest.raises(ToolError) as e:
             parse_tools(body)

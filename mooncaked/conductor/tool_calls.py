@@ -65,9 +65,9 @@ def parse_tools(body: dict) -> Tools | None:
         raise ToolError("tools must have distinct names", "tools")
     if choice in (None, "auto", "required", "none"):
         return None if choice == "none" else Tools(tuple(functions), choice or "auto")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        else None
-    if name not in {f["name"] for f in functions}:
+    named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = named.get("name") if isinstance(named, dict) else None
+    if not isinstance(name, str) or name not in {f["name"] for f in functions}:
         raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                         '{"name": <one of the tools>}}', "tool_choice")
     return Tools(tuple(functions), name)
