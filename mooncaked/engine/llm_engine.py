@@ -173,7 +173,7 @@ class Engine:
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None,
                     sink: Sink | None = None, imported_blocks: list[int] | None = None,
                     hold_blocks: bool = False, stage_input: int | None = None, keep_imported: bool = True,
-                    layers: tuple[int, int] | None = None) -> str:
+                    layers: tuple[int, int] | None = None, constraint: Constraint | None = None) -> str:
         """Queue a request; thread-safe.
 
         ``imported_blocks``: KV blocks the caller already filled with this prompt's first
@@ -187,6 +187,9 @@ class Engine:
         On a pipeline stage the request starts exactly after ``imported_blocks`` (its group agreed
         on that prefix); ``stage_input``: the tokens whose input hidden states have arrived (a stage
         that is not the first; ``set_stage_input`` moves it on).
+
+        ``constraint``: the request's grammar state, made beforehand off the engine thread
+        (``constraint_for``); without one, a request with a grammar makes it when it first samples.
 
         ``layers`` (elastic CPP, a whole-model engine lent a share of one prompt): compute only layers
         [first, end) of it, from the token ids when first is 0 and else from ``stage_input``'s hidden
@@ -213,6 +216,7 @@ class Engine:
         seq = Sequence(request_id or uuid.uuid4().hex, ids, params, imported_blocks=imported,
                        imported_tokens=len(imported) * self.config.block_size, hold_blocks=hold_blocks,
                        exact_prefix=staged, input_ready=stage_input, unkept_blocks=unkept, layers=layers)
+        seq.constraint = constraint
         return self._enqueue(seq, sink)
 
     def _check_layers(self, layers: tuple[int, int], stage_input: int | None) -> tuple[int, int]:
@@ -250,7 +254,7 @@ class Engine:
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int, blocks: list[int],
                       params: SamplingParams, sink: Sink, first_logprob: float | None = None,
-                      first_top: TopLogprobs | None = None) -> str:
+                      first_top: TopLogprobs | None = None, constraint: Constraint | None = None) -> str:
         """Continue a request whose prompt KV already sits in ``blocks`` (from ``reserve``) and whose
         first token was sampled elsewhere: the decode side of disaggregation. Thread-safe.
 
@@ -262,6 +266,7 @@ class Engine:
             raise RequestError(f"{len(blocks)} blocks cannot hold exactly {len(ids)} prompt tokens")
         seq = Sequence(request_id, ids, params, imported_blocks=list(blocks), imported_tokens=len(ids))
         seq.admitted_once = True
+        seq.constraint = constraint  # made from no tokens: the first one is consumed as it is appended
         req = self._make(seq, sink)
         # the first token goes out at once and may already end the request
         self._requests[seq.request_id] = req
@@ -476,6 +481,15 @@ class Engine:
         if seq.hold_blocks and seq.block_table:
             self._held[seq.request_id] = seq
         outputs.append(self._emit(req, []))
+
+    def constraint_for(self, params: SamplingParams) -> Constraint | None:
+        """A new request's grammar state (None without a grammar); thread-safe. Making it takes ms (tens for a
+        wide schema, llguidance releasing the GIL), so daemons make it in a worker thread and hand it to
+        ``add_request`` / ``add_prefilled`` rather than have the engine thread make it mid-step."""
+        if params.grammar is None:
+            return None
+        return Constraint.for_request(self.model_dir, self.eos_token_ids, self.model_config.vocab_size,
+                                      params.grammar, [])
 
     def _constraint(self, seq: Sequence) -> Constraint:
         """The request's grammar state, made on first use from the tokens it already has (on a decode

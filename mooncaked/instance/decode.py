@@ -100,10 +100,15 @@ class Decoder:
 
     async def decode(self, rid: str, first: PrefillResult) -> AsyncIterator[TokenChunk]:
         w, engine = self.worker, self.engine
+        loop = asyncio.get_running_loop()
+        pending = self.reserved.get(rid)
+        # a grammar's state is made in a worker thread before the reservation is taken (a client gone meanwhile
+        # leaves it reserved, to expire as any unclaimed one), not by the engine thread mid-step
+        constraint = (await loop.run_in_executor(None, engine.constraint_for, pending.params)
+                      if pending is not None and pending.params.grammar is not None else None)
         held = self.reserved.pop(rid, None)
         if held is None:
             raise EngineError(NOT_FOUND, f"no reservation for request {rid!r}")
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Output] = asyncio.Queue()
         params = held.params
         self.inflight += 1
@@ -113,7 +118,7 @@ class Decoder:
                 engine.add_prefilled(rid, held.prompt, first.first_token_id, held.blocks, params,
                                      lambda o: loop.call_soon_threadsafe(queue.put_nowait, o),
                                      first.first_logprob if params.logprobs else None,
-                                     first.first_top_logprobs if params.top_logprobs else None)
+                                     first.first_top_logprobs if params.top_logprobs else None, constraint)
             except RequestError as e:
                 await engine.call(engine.unreserve, held.blocks)
                 raise EngineError(INVALID, str(e)) from None

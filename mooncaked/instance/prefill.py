@@ -78,6 +78,8 @@ class Prefiller:
         w.check("prefill")
         self._check(rid, prompt, params, target)
         loop = asyncio.get_running_loop()
+        # a grammar's state is made here, in a worker thread, not by the engine thread mid-step
+        constraint = await loop.run_in_executor(None, self.engine.constraint_for, params) if params.grammar else None
         fence = self.worker.fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
                       len(prompt), self.layerwise, fence=fence)
@@ -116,7 +118,7 @@ class Prefiller:
         try:
             try:
                 self.engine.add_request(prompt, one, rid, sink, imported_blocks=prepared.imported, hold_blocks=True,
-                                        keep_imported=self._keeps_pulled(prepared, plan))
+                                        keep_imported=self._keeps_pulled(prepared, plan), constraint=constraint)
                 added = True
             except RequestError as e:
                 await self.fetch.give_back(prepared)
