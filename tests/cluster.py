@@ -54,9 +54,10 @@ class Cluster:
         env.update(self.extra_env)
         return env
 
-    def start(self, name: str, role: str, *args: str) -> int:
+    def start(self, name: str, role: str, *args: str, wait: bool = True) -> int:
         """Start one role listening on a port it picks itself (port 0: nothing can take it between
-        pick and bind); returns that port once the process has printed it."""
+        pick and bind); returns that port once the process has printed it (``wait=False``: returns 0 at
+        once, for a role that cannot serve yet, such as an engine whose conductor is not up)."""
         cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", "127.0.0.1:0", "--name", name,
                *args]
         if role in ("prefill", "decode"):
@@ -68,6 +69,8 @@ class Cluster:
             path.rename(next(p for k in itertools.count(1) if not (p := self.log_dir / f"{name}.{k}.log").exists()))
         log = open(path, "w")
         self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        if not wait:
+            return 0
         port = self._printed_port(name, r"gRPC on [^ ]*:(\d+)")
         self.ports[name] = port
         if role == "conductor":
@@ -99,16 +102,20 @@ class Cluster:
         self.wait_serving([*prefills, *decodes])
         return self
 
-    def _printed_port(self, name: str, pattern: str, timeout_s: float = 120) -> int:
+    def printed(self, name: str, pattern: str, timeout_s: float = 120) -> re.Match:
+        """Wait until ``name``'s log holds ``pattern`` (its first match); an exit meanwhile is an error."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = re.search(pattern, self.log(name))
             if m:
-                return int(m.group(1))
+                return m
             if self.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited with {self.procs[name].returncode}: {self.log(name)[-3000:]}")
             time.sleep(0.1)
-        raise TimeoutError(f"{name} did not print /{pattern}/ in {timeout_s}s")
+        raise TimeoutError(f"{name} did not print /{pattern}/ in {timeout_s}s: {self.log(name)[-3000:]}")
+
+    def _printed_port(self, name: str, pattern: str, timeout_s: float = 120) -> int:
+        return int(self.printed(name, pattern, timeout_s).group(1))
 
     def http_port(self, name: str) -> int:
         return self._printed_port(name, r"HTTP on [^ ]*:(\d+)")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
@@ -134,44 +132,21 @@ def test_roles_started_in_any_order_warn_only_about_one_that_stays_away(tiny_mod
     _, folder = tiny_model_factory("llama")
     c = Cluster(folder, tmp_path)
     store_port, conductor_port = free_port(), free_port()
-    c.conductor_port = conductor_port
-    log_path = tmp_path / "d1.log"
-    cmd = [sys.executable, "-m", "mooncaked.cli", "--role", "decode", "--name", "d1", "--listen", "127.0.0.1:0",
-           "--conductor", c.conductor, "--store", f"127.0.0.1:{store_port}", "--join-timeout-s", "120"]
-    with open(log_path, "w") as out:
-        engine = subprocess.Popen(cmd, env=c.env(), stdout=out, stderr=subprocess.STDOUT)
+    c.conductor_port = conductor_port  # the engine's --conductor, before any conductor listens there
     try:
+        c.start("d1", "decode", "--store", f"127.0.0.1:{store_port}", "--join-timeout-s", "120", wait=False)
         started = time.monotonic()
         time.sleep(3)
         c.start("store", "store", "--listen", f"127.0.0.1:{store_port}")
-        _wait_for(log_path, engine, "joined the KV pool")
-        text = log_path.read_text()
-        assert " WARNING " not in text, text  # the store came late, within the grace: no warning
-        line = _wait_for(log_path, engine, "not reachable yet")
+        c.printed("d1", "joined the KV pool", 60)
+        assert " WARNING " not in c.log("d1"), c.log("d1")  # the store came late, within the grace: no warning
+        line = c.printed("d1", ".*not reachable yet.*", 60).group(0)
         assert time.monotonic() - started >= STARTUP_GRACE_S
         assert " WARNING " in line and "conductor" in line and re.search(r"for \d+s", line), line
         c.start_conductor("conductor", port=conductor_port)
-        _wait_for(log_path, engine, "gRPC on")
+        c.printed("d1", "gRPC on", 60)
         c.wait_serving(["d1"])
-        warnings = [ln for ln in log_path.read_text().splitlines() if " WARNING " in ln]
+        warnings = [ln for ln in c.log("d1").splitlines() if " WARNING " in ln]
         assert len(warnings) == 1, warnings
     finally:
-        if engine.poll() is None:
-            engine.send_signal(signal.SIGTERM)
-            try:
-                engine.wait(20)
-            except subprocess.TimeoutExpired:
-                engine.kill()
         c.stop()
-
-
-def _wait_for(path, proc: subprocess.Popen, pattern: str, timeout_s: float = 60) -> str:
-    """The first line of ``path`` matching ``pattern``, once the process has written it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = [ln for ln in path.read_text().splitlines() if re.search(pattern, ln)]
-        if found:
-            return found[0]
-        assert proc.poll() is None, f"exited {proc.returncode}:\n{path.read_text()[-3000:]}"
-        time.sleep(0.1)
-    raise AssertionError(f"no line matching {pattern!r} in {timeout_s:g}s:\n{path.read_text()[-3000:]}")
