@@ -199,7 +199,7 @@ class HttpFront:
             stack.push_async_callback(rest.aclose)  # closed before the streams it reads
             out = Responder(spec, firsts[0].request_id, self.texts, self._prompt_texts(spec))
             if spec.stream and spec.tools is None:
-                return await self._sse(request, out, firsts, rest)
+                return await self._sse(request, out, self._as_they_come(out, firsts, rest))
             chunks = [[f] for f in firsts]
             try:
                 async for i, c in rest:
@@ -209,55 +209,49 @@ class HttpFront:
         shown = 0 if spec.score_only else sum(len(c.token_ids) for cs in chunks for c in cs)
         use = batch_usage(firsts, spec.n, shown)
         if spec.stream:  # tools offered: whether the answer is a call is known once it is whole
-            return await self._sse_whole(request, out, [Chunk.join(cs) for cs in chunks], use)
+            return await self._sse(request, out, self._once_whole(out, [Chunk.join(cs) for cs in chunks], use))
         return web.json_response(out.response([Chunk.join(cs) for cs in chunks], use))
 
-    async def _sse_whole(self, request: web.Request, out: Responder, choices: list[Chunk],
-                         use: dict) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, out: Responder, events: AsyncIterator[dict]) -> web.StreamResponse:
+        """Server-sent events: each of ``events``, then ``[DONE]``."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        lines = [c for i, choice in enumerate(choices) for c in out.whole_chunks(i, choice)]
-        if out.spec.include_usage:
-            lines.append(out.usage_chunk(use))
         try:
-            for obj in lines:
-                await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+            async with contextlib.aclosing(events):
+                async for obj in events:
+                    await resp.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-        except ConnectionResetError:
-            log.info("client of %s went away mid-stream", out.rid)
-        return resp
-
-    async def _sse(self, request: web.Request, out: Responder, firsts: list, rest) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
-
-        async def send(obj: dict | str) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-            await resp.write(f"data: {data}\n\n".encode())
-
-        n_tokens = sum(len(f.token_ids) for f in firsts)
-        try:
-            for i, f in enumerate(firsts):
-                await send(out.chunk(i, f))
-            try:
-                async for i, c in rest:
-                    n_tokens += len(c.token_ids)
-                    await send(out.chunk(i, c))
-            except errors.ConductorError as e:
-                # headers are gone: the error travels in the stream, as OpenAI's does
-                await send(api_error(e).body())
-            else:
-                if out.spec.include_usage:
-                    shown = 0 if out.spec.score_only else n_tokens
-                    await send(out.usage_chunk(batch_usage(firsts, out.spec.n, shown)))
-            await send("[DONE]")
             await resp.write_eof()
         except ConnectionResetError:
             log.info("client of %s went away mid-stream; cancelling it", out.rid)
         return resp
+
+    @staticmethod
+    async def _as_they_come(out: Responder, firsts: list, rest) -> AsyncIterator[dict]:
+        """A stream's chunks as the choices produce them; a failure mid-stream is one more event (the
+        headers are gone), as OpenAI's."""
+        n_tokens = sum(len(f.token_ids) for f in firsts)
+        for i, f in enumerate(firsts):
+            yield out.chunk(i, f)
+        try:
+            async for i, c in rest:
+                n_tokens += len(c.token_ids)
+                yield out.chunk(i, c)
+        except errors.ConductorError as e:
+            yield api_error(e).body()
+            return
+        if out.spec.include_usage:
+            yield out.usage_chunk(batch_usage(firsts, out.spec.n, 0 if out.spec.score_only else n_tokens))
+
+    @staticmethod
+    async def _once_whole(out: Responder, choices: list[Chunk], use: dict) -> AsyncIterator[dict]:
+        """A stream of answers already whole (tools offered: a call is known to be one only then)."""
+        for i, choice in enumerate(choices):
+            for chunk in out.whole_chunks(i, choice):
+                yield chunk
+        if out.spec.include_usage:
+            yield out.usage_chunk(use)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card(self.served.names[0])]})
