@@ -95,8 +95,7 @@ class Prefiller:
         # renewing from the start: a pull that outlasts one renewal must not close the fence
         keeper = spawn(fence.keep(), f"fence-{rid}") if fence.active else None
         try:
-            # a scored prompt is computed whole here: reused or pulled KV has no logits to score it with
-            prepared = self._scored(prompt, plan) if params.scored else await self.fetch.prepare(prompt, plan)
+            prepared = await self.fetch.prepare(prompt, plan, whole=params.scored)
             refused = None
             if w.was_aborted(rid):  # its Abort overtook it: no byte may go to the decode blocks it names
                 refused = EngineError(CANCELLED, f"request {rid!r} was aborted")
@@ -164,14 +163,6 @@ class Prefiller:
                 self.ended.pop(rid, None)
                 ended.set()
 
-
-    def _scored(self, prompt: list[int], plan: PrefillPlan | None) -> Prepared:
-        """Nothing reused for a scored prompt; what its plan named counts as computed instead."""
-        named = 0 if plan is None else plan.reuse_blocks + plan.pull_blocks
-        named = min(named, (len(prompt) - 1) // self.worker.layout.block_size)
-        prepared = Prepared(deviations={"prompt_logprobs": named} if named else {})
-        metrics.deviated(prepared.deviations)
-        return prepared
 
     @staticmethod
     def _keeps_pulled(prepared: Prepared, plan: PrefillPlan | None) -> bool:

@@ -52,9 +52,16 @@ class PrefixFetch:
         self.worker = worker
         self.engine = worker.engine
 
-    async def prepare(self, prompt: list[int], plan: PrefillPlan | None) -> Prepared:
+    async def prepare(self, prompt: list[int], plan: PrefillPlan | None, whole: bool = False) -> Prepared:
+        """``whole``: the prompt is computed from its first token (a scored prompt: a reused block has no
+        logits to score it with); what the plan named counts as computed instead (``prompt_logprobs``)."""
         w = self.worker
         bs = w.layout.block_size
+        if whole:
+            out = Prepared()
+            named = 0 if plan is None else plan.reuse_blocks + plan.pull_blocks
+            self._deviate(out, "prompt_logprobs", min(named, (len(prompt) - 1) // bs))
+            return self._counted(out)
         pull = plan is not None and bool(plan.pull_blocks and plan.pull_from)
         if plan is None or (plan.pool_fallback and not pull and w.pool is not None):
             imported = await w.pool.fetch_prefix(prompt) if w.pool is not None else []
