@@ -3,6 +3,7 @@ leases, eviction and demotion, stale puts, dead clients, remount, bad input."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -425,6 +426,27 @@ def test_pool_events_for_unmount_dead_client_and_remount():
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs[:1])  # remounted with y gone from the disk
     assert hooks.events == [("removed", "x", ""), ("removed", "y", ""), ("stored", "x", "lmdb")]
     assert m.exist("x") and not m.exist("y")
+
+
+def test_a_client_that_unmounts_its_last_segment_has_left_and_is_not_reported_dead(caplog):
+    """A stopping engine unmounts its segments, then goes silent: its silence must not read as a death
+    (a WARNING in a quiet stop) once it has left."""
+    m, clock, hooks = make(client_ttl_s=3.0)
+    m.mount("A", dram("a", 64 * KiB))
+    m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20))
+    m.mount("B", dram("b", 64 * KiB))
+    m.unmount("A", "a")
+    assert "A" in m.clients, "one segment left: still a member"
+    m.unmount("A", "a-lmdb")
+    assert "A" not in m.clients and hooks.dropped == ["A"]
+    clock.t += 4
+    with caplog.at_level(logging.INFO, logger="mooncaked.store.master"):
+        m.tick()
+    dead = [r.getMessage() for r in caplog.records if "is dead" in r.getMessage()]
+    assert dead == ["client B is dead (silent for 4.0s): unmounting its segments ['b']"]
+    assert not m.ping("A"), "a client that left and pings again is told to remount"
+    m.mount("A", dram("a", 64 * KiB))
+    assert m.ping("A")
 
 
 def test_pool_events_replayed_always_equal_what_the_master_holds():

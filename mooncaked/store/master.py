@@ -130,7 +130,13 @@ class StoreMaster:
         seg = self._segment(name)
         if seg.owner != client_id:
             raise FailedPrecondition(f"segment {name!r} belongs to client {seg.owner!r}, not {client_id!r}")
-        return self._unmount(seg)
+        removed = self._unmount(seg)
+        client = self.clients.get(client_id)
+        if client is not None and not client.segments:  # it left: its silence later is not a death
+            self.catalog.remove_client(client_id)
+            self.hooks.client_dropped(client_id)
+            logger.info("client %s left the pool (its last segment unmounted)", client_id)
+        return removed
 
     def _unmount(self, seg: Segment) -> int:
         """Forget a segment and every copy on it; returns how many objects went with it."""
