@@ -7,11 +7,15 @@ single engine's token for token."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import grpc
 import openai
 import pytest
 
 from cluster import Cluster
+from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from mooncaked.engine import Engine, RequestError, SamplingParams
 from mooncaked.engine.grammar import json_schema_grammar, regex_grammar
 from mooncaked.engine.loader import resolve_model_dir
@@ -199,3 +203,27 @@ def test_the_cluster_calls_tools_as_one_engine_does(cluster, engine):
             with pytest.raises(openai.BadRequestError) as e:
                 client.chat.completions.create(model=model, messages=WEATHER_ASK, max_tokens=4, extra_body=bad)
             assert e.value.response.json()["error"]["param"] == param
+
+
+
+def test_a_pipeline_group_constrains_as_one_engine_does(cluster, engine):
+    """A two-stage CPP group (p1 drained, so the group prefills): its last stage, which samples, makes the
+    grammar's state off its engine thread and constrains the first token; the decode the rest. Last in
+    the module: it changes the cluster's shape."""
+    for k in range(2):
+        cluster.start(f"g-s{k}", "prefill", "--pipeline-group", "g", "--pipeline-stage", f"{k}/2",
+                      "--cpp-chunk-tokens", "8")
+    cluster.wait_serving(["g-s0", "g-s1"])
+    out = subprocess.run([sys.executable, "-m", "mooncaked.ctl", "--conductor", cluster.conductor, "drain", "p1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out
+    prompt = engine.tokenizer.encode_chat(ASK)
+    grammar = json_schema_grammar(PERSON)
+    want = engine.generate([prompt], SamplingParams(max_tokens=64, grammar=grammar))[0]
+    with grpc.insecure_channel(cluster.conductor) as ch:
+        req = conductor_pb2.GenerateRequest(token_ids=conductor_pb2.TokenIds(ids=prompt),
+                                            sampling=common_pb2.SamplingParams(max_tokens=64, grammar=grammar))
+        chunks = list(conductor_pb2_grpc.ConductorStub(ch).Generate(req, timeout=60))
+    assert chunks[0].prefill_instance == "g-s0"
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert json.loads(want.text)["age"] >= 0
