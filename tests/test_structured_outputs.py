@@ -66,6 +66,20 @@ def test_a_regex_and_choices_hold_sampled_answers_too(engine):
     assert engine.generate([ask], SamplingParams(max_tokens=8, grammar=yes_no))[0].text in ("yes", "no")
 
 
+async def test_a_streamed_answer_follows_the_grammar_as_generate_does(model_dir, engine):
+    """Engine.stream (an in-process engine on its driver thread) makes the grammar's state off the engine
+    thread and streams the same tokens as generate."""
+    ids = engine.tokenizer.encode_chat(ASK)
+    params = SamplingParams(max_tokens=64, grammar=json_schema_grammar(PERSON))
+    want = engine.generate([ids], params)[0]
+    streaming = Engine.from_pretrained(model_dir, block_size=16, kv_cache_bytes=64 << 20)
+    try:
+        outs = [o async for o in streaming.stream(ids, params)]
+    finally:
+        streaming.close()
+    assert [t for o in outs for t in o.new_token_ids] == want.token_ids and outs[-1].finish_reason == "stop"
+
+
 def test_a_bad_grammar_is_refused_and_one_the_model_cannot_follow_fails_only_its_request(tiny_model_factory):
     with pytest.raises(RequestError, match="grammar"):
         SamplingParams(grammar='{"grammars": [{"lark_grammar": "start: (("}]}')

@@ -605,7 +605,12 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self.start_driver(loop)
-        rid = self.add_request(prompt, params, request_id,
+        if params is not None and params.grammar:  # its state made off the engine thread (constraint_for)
+            params.validate()
+            constraint = await loop.run_in_executor(None, self.constraint_for, params)
+        else:
+            constraint = None
+        rid = self.add_request(prompt, params, request_id, constraint=constraint,
                                sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
         finished = False
         try:
