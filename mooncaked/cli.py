@@ -246,9 +246,13 @@ async def _run(cfg, parent_pid: int | None) -> int:
         with listening("--metrics", cfg.metrics):
             server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host,
                                                             registry=registry_for(cfg.role))
-        if parent_pid is None:  # (a child of `all`: its parent serves these with every other process's)
+        if parent_pid is None:
             print(f"mooncaked {cfg.role}: metrics on http://{cfg.metrics.host}:{server.server_port}/metrics",
                   flush=True)
+        else:  # a child of `all`: its parent serves these with every other process's, from the port we bound
+            from mooncaked.startup import tell_parent_port
+
+            tell_parent_port(parent_pid, "metrics", server.server_port)
     if cfg.role in ("prefill", "decode"):
         from mooncaked.roles.engine_role import run_engine_role
 
@@ -260,7 +264,7 @@ async def _run(cfg, parent_pid: int | None) -> int:
     if cfg.role == "store":
         from mooncaked.roles.store_role import run_store_role
 
-        return await run_store_role(cfg)
+        return await run_store_role(cfg, parent_pid)
     from mooncaked.roles.all_role import run_all_role
 
     return await run_all_role(cfg)

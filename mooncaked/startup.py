@@ -13,6 +13,7 @@ a failed bind the same way, for the port that is taken between the check and the
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -145,6 +146,10 @@ def user_message(error: BaseException) -> str | None:
 # the conductor's READY=1 on, roles/all_role.py), which prints the first and drops the rest.
 
 CHILD_ERROR = "MOONCAKED_ERROR"  # the field a child's one-line error travels in
+# The same way, a child tells its parent a port it bound: the store master's and each child's metrics port
+# are any free one, bound by the child itself (a port picked by the parent and bound later by a child
+# could be taken by another process in between); "KIND PID PORT".
+CHILD_PORT = "MOONCAKED_PORT"
 
 
 def parent_socket_name(parent_pid: int) -> str:
@@ -152,13 +157,32 @@ def parent_socket_name(parent_pid: int) -> str:
     return f"\0mooncaked-all-{parent_pid}"
 
 
-def tell_parent(parent_pid: int, line: str) -> bool:
-    """Send a child's one-line error to its `all` parent; False when it cannot (print it yourself)."""
+def _send_parent(parent_pid: int, message: str) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.sendto(f"{CHILD_ERROR}={line}".encode()[:4000], parent_socket_name(parent_pid))
+            sock.sendto(message.encode()[:4000], parent_socket_name(parent_pid))
         return True
     except OSError:
         return False
+
+
+def tell_parent(parent_pid: int, line: str) -> bool:
+    """Send a child's one-line error to its `all` parent; False when it cannot (print it yourself)."""
+    return _send_parent(parent_pid, f"{CHILD_ERROR}={line}")
+
+
+def tell_parent_port(parent_pid: int, kind: str, port: int) -> bool:
+    """Tell the `all` parent which port this child bound for `kind` ("store", "metrics")."""
+    return _send_parent(parent_pid, f"{CHILD_PORT}={kind} {os.getpid()} {port}")
+
+
+def child_port(message: str) -> tuple[str, int, int] | None:
+    """(kind, child pid, port) of a CHILD_PORT message, else None."""
+    if not message.startswith(CHILD_PORT + "="):
+        return None
+    parts = message.removeprefix(CHILD_PORT + "=").split()
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[1]), int(parts[2])

@@ -32,14 +32,15 @@ def test_the_children_pages_are_served_as_one_with_the_process_named():
         pages.append((server, f"http://127.0.0.1:{port}/metrics"))
     try:
         targets = {"prefill": pages[0][1], "prefill-1": pages[1][1],
-                   "decode": f"http://127.0.0.1:{_free_port()}/metrics"}  # nobody listens there
+                   "decode": f"http://127.0.0.1:{_free_port()}/metrics",  # nobody listens there
+                   "store": None}  # not told its port yet
         text = generate_latest(children_registry(targets)).decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for f in text_string_to_metric_families(text) for s in f.samples}
         assert samples[("mooncaked_demo_requests_total", (("kind", "a"), ("mooncaked_process", "prefill")))] == 3
         assert samples[("mooncaked_demo_requests_total", (("kind", "a"), ("mooncaked_process", "prefill-1")))] == 5
         up = {dict(k[1])["mooncaked_process"]: v for k, v in samples.items() if k[0] == "mooncaked_all_process_up"}
-        assert up == {"prefill": 1.0, "prefill-1": 1.0, "decode": 0.0}
+        assert up == {"prefill": 1.0, "prefill-1": 1.0, "decode": 0.0, "store": 0.0}
     finally:
         for server, _ in pages:
             server.shutdown()

@@ -14,9 +14,11 @@ import grpc
 import pytest
 
 from cluster import free_port
-from mooncaked.config import AllConfig, DecodeConfig, PrefillConfig
+from mooncaked.config import AllConfig, DecodeConfig, HostPort, PrefillConfig
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from mooncaked.roles.all_role import child_configs, engine_threads
+
+STORE = HostPort("127.0.0.1", 50099)  # where the embedded store said it listens
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,8 +50,9 @@ def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
     """An LMDB folder each, for the engines that lend DRAM (an LMDB tier's objects are served through it):
     the prefills by default, every engine once --store-dram-bytes is set."""
     cfg = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path), store_lmdb_bytes=1 << 26)
-    children = child_configs(cfg)
-    assert [c.role for c in children] == ["conductor", "store", "prefill", "prefill", "prefill", "decode", "decode"]
+    children = child_configs(cfg, STORE)
+    assert [c.role for c in children] == ["conductor", "prefill", "prefill", "prefill", "decode", "decode"]
+    assert all(c.store == STORE for c in children)
     engines = [c for c in children if isinstance(c, (PrefillConfig, DecodeConfig))]
     assert all(c.listen.port == 0 and c.transfer_listen.port == 0 and not c.name for c in engines)
     assert all(c.store_dram_bytes > 0 for c in engines if c.role == "prefill")
@@ -58,7 +61,7 @@ def test_child_configs_give_each_engine_its_own_ports_and_lmdb_folder(tmp_path):
     assert [(c.store_lmdb_path, c.store_lmdb_bytes) for c in engines if c.role == "decode"] == [(None, 0)] * 2
     lending = AllConfig(prefill_instances=3, decode_instances=2, store_lmdb_path=str(tmp_path),
                         store_lmdb_bytes=1 << 26, store_dram_bytes=1 << 26)
-    engines = [c for c in child_configs(lending) if isinstance(c, (PrefillConfig, DecodeConfig))]
+    engines = [c for c in child_configs(lending, STORE) if isinstance(c, (PrefillConfig, DecodeConfig))]
     assert sorted(os.path.basename(c.store_lmdb_path) for c in engines) == \
         ["decode", "decode-1", "prefill", "prefill-1", "prefill-2"]
     assert {c.store_lmdb_bytes for c in engines} == {1 << 26}
@@ -69,13 +72,13 @@ def test_the_cores_are_shared_out_among_the_engines_unless_the_user_says(monkeyp
     assert [engine_threads(n, cores=8) for n in (1, 2, 3, 8, 9)] == [8, 4, 2, 1, 1]
     cores = len(os.sched_getaffinity(0))
     cfg = AllConfig(prefill_instances=2, decode_instances=1)
-    engines = [c for c in child_configs(cfg) if isinstance(c, (PrefillConfig, DecodeConfig))]
+    engines = [c for c in child_configs(cfg, STORE) if isinstance(c, (PrefillConfig, DecodeConfig))]
     assert [c.threads for c in engines] == [max(1, cores // 3)] * 3
     explicit = AllConfig(prefill_instances=2, decode_instances=1, threads=5)
-    assert {c.threads for c in child_configs(explicit) if isinstance(c, (PrefillConfig, DecodeConfig))} == {5}
+    assert {c.threads for c in child_configs(explicit, STORE) if isinstance(c, (PrefillConfig, DecodeConfig))} == {5}
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # torch reads it in each engine process
     assert engine_threads(2, cores=8) == 0
-    assert {c.threads for c in child_configs(cfg) if isinstance(c, (PrefillConfig, DecodeConfig))} == {0}
+    assert {c.threads for c in child_configs(cfg, STORE) if isinstance(c, (PrefillConfig, DecodeConfig))} == {0}
 
 
 def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_path):
@@ -107,7 +110,7 @@ def test_two_prefills_and_two_decodes_start_and_serve(tiny_model_factory, tmp_pa
 
 def test_pipeline_stages_make_each_prefill_instance_a_group(tmp_path):
     cfg = AllConfig(prefill_instances=2, decode_instances=1, pipeline_stages=3, cpp_chunk_tokens=64)
-    prefills = [c for c in child_configs(cfg) if isinstance(c, PrefillConfig)]
+    prefills = [c for c in child_configs(cfg, STORE) if isinstance(c, PrefillConfig)]
     assert [(c.pipeline_group, c.pipeline_stage) for c in prefills] == \
         [("group-0", (k, 3)) for k in range(3)] + [("group-1", (k, 3)) for k in range(3)]
     assert all(c.cpp_chunk_tokens == 64 for c in prefills)

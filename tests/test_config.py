@@ -209,12 +209,21 @@ def test_parse_hostport():
 
 
 def test_all_role_tells_its_conductor_where_the_store_master_is():
-    from mooncaked.roles.all_role import child_configs
+    """The embedded store binds any free port (0) and the others are told the one it got; a --store given
+    is where the external one listens, and no store child runs."""
+    from mooncaked.roles.all_role import child_configs, embedded_store
 
-    children = {c.role: c for c in child_configs(AllConfig(listen="127.0.0.1:50051"))}
-    assert children["conductor"].store == children["store"].listen == children["prefill"].store
-    given = {c.role: c for c in child_configs(AllConfig(listen="127.0.0.1:50051", store="10.0.0.2:50052"))}
-    assert "store" not in given and given["conductor"].store == HostPort("10.0.0.2", 50052)
+    cfg = AllConfig(listen="127.0.0.1:50051")
+    assert embedded_store(cfg).listen == HostPort("127.0.0.1", 0)
+    children = {c.role: c for c in child_configs(cfg, HostPort("127.0.0.1", 40001))}
+    assert "store" not in children
+    assert children["conductor"].store == children["prefill"].store == children["decode"].store == \
+        HostPort("127.0.0.1", 40001)
+    with pytest.raises(ValueError, match="store"):
+        child_configs(cfg)
+    given = AllConfig(listen="127.0.0.1:50051", store="10.0.0.2:50052")
+    assert embedded_store(given) is None
+    assert {c.store for c in child_configs(given)} == {HostPort("10.0.0.2", 50052)}
 
 
 @pytest.mark.parametrize("role", ["conductor", "prefill", "decode", "store", "all"])

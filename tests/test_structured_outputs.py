@@ -219,7 +219,6 @@ def test_the_cluster_calls_tools_as_one_engine_does(cluster, engine):
             assert e.value.response.json()["error"]["param"] == param
 
 
-
 def test_a_pipeline_group_constrains_as_one_engine_does(cluster, engine):
     """A two-stage CPP group (p1 drained, so the group prefills): its last stage, which samples, makes the
     grammar's state off its engine thread and constrains the first token; the decode the rest. Last in

@@ -596,7 +596,6 @@ class Pipeline:
         except EngineError as e:
             log.info("could not abort %s on the next stage (%s); it gives the request up itself", job.rid, e)
 
-
     def _endpoint(self) -> TransferEndpoint:
         ep = self.worker.endpoint()
         info = self.worker.transfer.info().regions.get(INBOX_REGION)

@@ -1,10 +1,11 @@
 """`mooncaked --role all --metrics HOST:PORT`: one Prometheus endpoint for the whole local cluster.
 
 Each role runs in a process of its own, with its own registry, so the parent's registry holds nothing of
-theirs (before, that endpoint showed the parent's process gauges and nothing else). The parent gives each
-child a metrics port on loopback and, on every scrape, reads theirs and serves them as one page, each
-sample labelled with the process it came from (`mooncaked_process`: conductor, store, prefill, prefill-1,
-decode, ...). A child that does not answer within SCRAPE_TIMEOUT_S is left out of that scrape, and
+theirs (before, that endpoint showed the parent's process gauges and nothing else). Each child binds a
+metrics port on loopback, any free one, and tells the parent (startup.tell_parent_port); on every scrape
+the parent reads theirs and serves them as one page, each sample labelled with the process it came from
+(`mooncaked_process`: conductor, store, prefill, prefill-1, decode, ...). A child that has not told its
+port yet, or does not answer within SCRAPE_TIMEOUT_S, is left out of that scrape, and
 `mooncaked_all_process_up` says which (0).
 """
 
@@ -44,8 +45,8 @@ def process_labels(roles: Iterable[str]) -> list[str]:
 class ChildrenCollector:
     """Collects the children's pages at scrape time (prometheus_client calls `collect` on its server thread)."""
 
-    def __init__(self, targets: dict[str, str]) -> None:
-        self.targets = targets  # label -> "http://127.0.0.1:PORT/metrics"
+    def __init__(self, targets: dict[str, str | None]) -> None:
+        self.targets = targets  # label -> "http://127.0.0.1:PORT/metrics", None until the child told its port
 
     def describe(self) -> list[Metric]:
         return []  # the families are the children's: nothing to check against other collectors
@@ -54,7 +55,10 @@ class ChildrenCollector:
         families: dict[str, Metric] = {}
         up = GaugeMetricFamily("mooncaked_all_process_up", "Whether a process of the cluster answered this scrape.",
                                labels=[LABEL])
-        for label, url in self.targets.items():
+        for label, url in list(self.targets.items()):
+            if url is None:  # not started yet, or it has not bound its port
+                up.add_metric([label], 0)
+                continue
             try:
                 with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as reply:
                     text = reply.read(MAX_PAGE_BYTES + 1).decode()
@@ -76,7 +80,7 @@ class ChildrenCollector:
         yield up
 
 
-def children_registry(targets: dict[str, str]) -> CollectorRegistry:
+def children_registry(targets: dict[str, str | None]) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ChildrenCollector(targets))  # type: ignore[arg-type]
     return registry

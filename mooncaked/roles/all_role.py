@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 from mooncaked import proc_title
@@ -31,12 +32,6 @@ from mooncaked.roles.all_metrics import children_registry, numbered, process_lab
 log = logging.getLogger(__name__)
 
 DEFAULT_POOL_DRAM = 256 << 20  # what the embedded prefill lends the KV pool when nothing is configured
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_count(cfg: AllConfig) -> int:
@@ -54,35 +49,47 @@ def engine_threads(engines: int, cores: int | None = None) -> int:
     return max(1, cores // engines)
 
 
-def child_configs(cfg: AllConfig) -> list[RoleConfig]:
-    """Each child's config: the `all` settings that apply to its role, with its own port."""
-    host = cfg.listen.host
+def _child(cfg: AllConfig, cls: type[RoleConfig], **over) -> RoleConfig:
+    """A child's config: the `all` settings that apply to its role, then ``over``."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
+    # the parent serves --metrics; the conductor's own are on its HTTP port
+    values.update({"name": "", "metrics": None, **over})
+    return cls(**values)
 
-    def make(cls: type[RoleConfig], **over) -> RoleConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
-        # the parent serves --metrics; the conductor's own are on its HTTP port
-        values.update({"name": "", "metrics": None, **over})
-        return cls(**values)
+
+def embedded_store(cfg: AllConfig) -> StoreConfig | None:
+    """The store master's config when `all` runs one (no --store given): it binds any free port and tells
+    the parent which (startup.tell_parent_port) before any other child starts, as a port picked here and
+    bound later by the child could be taken by another process in between."""
+    if cfg.store is not None:
+        return None
+    return _child(cfg, StoreConfig, role="store", listen=HostPort(cfg.listen.host, 0))  # type: ignore[return-value]
+
+
+def child_configs(cfg: AllConfig, store: HostPort | None = None) -> list[RoleConfig]:
+    """The conductor's and each engine's config, each with its own port; ``store``: where the embedded
+    store listens (--store, when given, is where the external one does)."""
+    host = cfg.listen.host
+    at = store or cfg.store
+    if at is None:
+        raise ValueError("child_configs needs the embedded store's address (or --store)")
 
     def engine(cls: type[RoleConfig], role: str, i: int, **over) -> RoleConfig:
-        """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a folder each
-        (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an LMDB tier: its
+        """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a
+        folder each (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an LMDB tier: its
         objects are served by promoting them into that DRAM (a decode lends none unless --store-dram-bytes says)."""
         folder = numbered(role, i)
         lends_dram = over.get("store_dram_bytes", cfg.store_dram_bytes) > 0
         lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path and lends_dram else None
-        return make(cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=store,
-                    transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_reads_port=0, store_lmdb_path=lmdb,
-                    store_lmdb_bytes=cfg.store_lmdb_bytes if lmdb else 0, threads=threads, **over)
+        return _child(cfg, cls, role=role, listen=HostPort(host, 0), conductor=conductor, store=at,
+                      transfer_listen=HostPort(cfg.transfer_listen.host, 0), store_reads_port=0, store_lmdb_path=lmdb,
+                      store_lmdb_bytes=cfg.store_lmdb_bytes if lmdb else 0, threads=threads, **over)
 
     threads = cfg.threads or engine_threads(engine_count(cfg))
 
     conductor = HostPort(host, cfg.listen.port)
-    store = cfg.store or HostPort(host, free_port(host))
-    out: list[RoleConfig] = [make(ConductorConfig, role="conductor", listen=conductor, store=store)]
-    if cfg.store is None:
-        out.append(make(StoreConfig, role="store", listen=store))
+    out: list[RoleConfig] = [_child(cfg, ConductorConfig, role="conductor", listen=conductor, store=at)]
     # engines bind any free port and register the one they got: no port can be taken between pick and bind;
     # they name themselves ROLE-HOST-PORT after that port, as every instance without --name does
     for i in range(cfg.prefill_instances):
@@ -98,22 +105,49 @@ def child_configs(cfg: AllConfig) -> list[RoleConfig]:
     return out
 
 
-def _serve_metrics(cfg: AllConfig, configs: list[RoleConfig]) -> list[RoleConfig]:
-    """Each child a metrics port on loopback; --metrics serves all of theirs as one page (all_metrics.py)."""
+class ChildPorts:
+    """Ports the children bound themselves and told us of (startup.tell_parent_port), by kind and pid."""
+
+    def __init__(self) -> None:
+        self._told: dict[tuple[str, int], asyncio.Future[int]] = {}
+
+    def future(self, kind: str, pid: int) -> asyncio.Future[int]:
+        fut = self._told.get((kind, pid))
+        if fut is None:
+            fut = self._told[(kind, pid)] = asyncio.get_running_loop().create_future()
+        return fut
+
+    def told(self, kind: str, pid: int, port: int) -> None:
+        fut = self.future(kind, pid)
+        if not fut.done():
+            fut.set_result(port)
+
+
+def _serve_metrics(cfg: AllConfig) -> dict[str, str | None]:
+    """--metrics serves every child's metrics as one page (all_metrics.py). Returns the scrape targets by
+    label (all_metrics.process_labels), each None until its child told the port it bound (``_scrape_when_told``)."""
     import prometheus_client
 
     from mooncaked.startup import listening
 
     assert cfg.metrics is not None
-    configs = [dataclasses.replace(c, metrics=HostPort("127.0.0.1", free_port("127.0.0.1"))) for c in configs]
-    targets = {label: f"http://127.0.0.1:{c.metrics.port}/metrics"  # type: ignore[attr-defined]
-               for label, c in zip(process_labels(c.role for c in configs), configs)}
+    roles = (["store"] if cfg.store is None else []) + ["conductor"] + \
+        ["prefill"] * (cfg.prefill_instances * cfg.pipeline_stages) + ["decode"] * cfg.decode_instances
+    targets: dict[str, str | None] = dict.fromkeys(process_labels(roles))
     with listening("--metrics", cfg.metrics):
         server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host,
                                                         registry=children_registry(targets))
     print(f"mooncaked all: metrics of every process on http://{cfg.metrics.host}:{server.server_port}/metrics",
           flush=True)
-    return configs
+    return targets
+
+
+def _scrape_when_told(ports: ChildPorts, pid: int, label: str, targets: dict[str, str | None]) -> None:
+    def told(fut: asyncio.Future[int]) -> None:
+        if not fut.cancelled():
+            targets[label] = f"http://127.0.0.1:{fut.result()}/metrics"
+
+    ports.future("metrics", pid).add_done_callback(told)
 
 
 def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
@@ -146,15 +180,19 @@ def _parent_socket() -> tuple[socket.socket, str]:
     return sock, "@" + name[1:]
 
 
-async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future) -> None:
-    """Resolve ``conductor_ready`` with the conductor's READY=1 fields; print the first child's
-    error line (later ones are the cluster stopping, not news)."""
-    from mooncaked.startup import CHILD_ERROR
+async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future, ports: ChildPorts) -> None:
+    """Resolve ``conductor_ready`` with the conductor's READY=1 fields; take the ports children bound;
+    print the first child's error line (later ones are the cluster stopping, not news)."""
+    from mooncaked.startup import CHILD_ERROR, child_port
 
     loop = asyncio.get_running_loop()
     told_error = False
     while True:
         data = (await loop.sock_recv(sock, 4096)).decode(errors="replace")
+        port = child_port(data)
+        if port is not None:
+            ports.told(*port)
+            continue
         if data.startswith(CHILD_ERROR + "="):
             if not told_error:
                 print(data.removeprefix(CHILD_ERROR + "="), file=sys.stderr, flush=True)
@@ -176,16 +214,26 @@ async def run_all_role(cfg: AllConfig) -> int:
 
     notify, notify_at = _parent_socket()
     conductor_ready: asyncio.Future = asyncio.get_running_loop().create_future()
-    hearing = spawn(_hear_children(notify, conductor_ready), "hear-children")
-    children = []
-    configs = child_configs(cfg)
-    if cfg.metrics is not None:
-        configs = _serve_metrics(cfg, configs)
-    for child in configs:
+    ports = ChildPorts()
+    hearing = spawn(_hear_children(notify, conductor_ready, ports), "hear-children")
+    children: list[tuple[RoleConfig, multiprocessing.process.BaseProcess]] = []
+    targets = _serve_metrics(cfg) if cfg.metrics is not None else {}
+    started: dict[str, int] = {}  # children started per role: their metrics labels
+
+    def start(child: RoleConfig) -> multiprocessing.process.BaseProcess:
+        if targets:  # a metrics port on loopback, any free one: the child tells us which
+            child = dataclasses.replace(child, metrics=HostPort("127.0.0.1", 0))  # type: ignore[call-arg]
         told = notify_at if child.role == "conductor" else None
         p = ctx.Process(target=_child_main, args=(child, told), name=f"mooncaked-{child.role}", daemon=False)
         p.start()
         children.append((child, p))
+        label = numbered(child.role, started.get(child.role, 0))
+        started[child.role] = started.get(child.role, 0) + 1
+        if targets:
+            assert p.pid is not None
+            _scrape_when_told(ports, p.pid, label, targets)
+        return p
+
     from mooncaked.rpc import sd_notify
 
     stopping = asyncio.Event()
@@ -194,8 +242,19 @@ async def run_all_role(cfg: AllConfig) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    store: HostPort | None = cfg.store
+    own_store = embedded_store(cfg)
+    if own_store is not None:  # first: every other child is told the port it bound
+        p = start(own_store)
+        assert p.pid is not None
+        port = await _told(ports.future("store", p.pid), stopping, children)
+        if port is not None:  # else it failed (its line is printed) or we are stopping
+            store = HostPort(cfg.listen.host, port)
+    if store is not None:
+        for child in child_configs(cfg, store):
+            start(child)
     conductor = str(HostPort(cfg.listen.host, cfg.listen.port))
-    told = await _conductor_accepting(conductor_ready, stopping, children)
+    told = await _told(conductor_ready, stopping, children) if store is not None else None
     if told is not None:
         m = re.search(r"HTTP on (\S+)", told.get("STATUS", ""))
         # under TLS, mooncakectl needs the same files (and --api-key for generate, when one is set)
@@ -225,7 +284,7 @@ async def run_all_role(cfg: AllConfig) -> int:
             pass
     sd_notify("STOPPING=1")
     # engines first (they drain and deregister), then the conductor and the store
-    order = sorted(children, key=lambda cp: cp[0].role in ("conductor", "store"))
+    order = sorted(children, key=lambda cp: {"conductor": 1, "store": 2}.get(cp[0].role, 0))
     for c, p in order:
         if p.is_alive():
             p.terminate()
@@ -240,14 +299,15 @@ async def run_all_role(cfg: AllConfig) -> int:
     return code
 
 
-async def _conductor_accepting(conductor_ready: asyncio.Future, stopping: asyncio.Event,
-                               children) -> dict[str, str] | None:
-    """Until the conductor child sends READY=1 (both its fronts accept): its fields (STATUS says where)."""
+async def _told(fut: asyncio.Future, stopping: asyncio.Event, children) -> Any:
+    """What a child tells us (the conductor's READY=1 fields, once both its fronts accept; the port the
+    store bound), or None once a child died or we are stopping. No deadline of its own: a child that
+    cannot start exits with its error, and a slow one is the user's to stop (Ctrl-C)."""
     while not stopping.is_set():
         if any(not p.is_alive() for _, p in children):
             return None
         try:
-            return await asyncio.wait_for(asyncio.shield(conductor_ready), 0.5)
+            return await asyncio.wait_for(asyncio.shield(fut), 0.5)
         except asyncio.TimeoutError:
             continue
     return None

@@ -15,7 +15,7 @@ from mooncaked import proc_title
 from mooncaked.config import HostPort, StoreConfig, StorePolicyConfig
 from mooncaked.rpc import sd_notify
 from mooncaked.security import Security
-from mooncaked.startup import listening
+from mooncaked.startup import listening, tell_parent_port
 from mooncaked.store import metrics
 from mooncaked.store.records import Policy
 from mooncaked.store.service import HOST_ID, MasterRunner
@@ -30,7 +30,9 @@ def policy_of(cfg: StorePolicyConfig) -> Policy:
                   client_ttl_s=cfg.heartbeat_timeout_s)
 
 
-async def run_store_role(cfg: StoreConfig) -> int:
+async def run_store_role(cfg: StoreConfig, parent_pid: int | None = None) -> int:
+    """``parent_pid``: the `all` process this store is a child of, told the port it bound (its --listen port
+    may be 0 there: any free one)."""
     fast_port = None if cfg.store_fast_path_port < 0 else cfg.store_fast_path_port
     security = Security.from_config(cfg)
     runner = MasterRunner(policy_of(cfg), str(cfg.listen), fast_path_port=fast_port, security=security)
@@ -54,19 +56,21 @@ async def run_store_role(cfg: StoreConfig) -> int:
     ha = f"; HA through etcd {','.join(str(e) for e in cfg.etcd)} (standing by until elected)" if cfg.etcd else ""
     print(f"mooncaked store {name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
           f"fast path {f'on port {fast}' if fast else 'off'}){ha}; security: {security.mode}", flush=True)
-    sd_notify("READY=1")
+    if parent_pid is not None:
+        tell_parent_port(parent_pid, "store", port)
+    sd_notify(f"READY=1\nSTATUS=StoreMaster on {address}")
     await runner.server.stopping.wait()
 
     # nothing in flight is worth waiting for: metadata is rebuilt by the clients' remounts
     sd_notify("STOPPING=1")
-    log.info("%s stopping", cfg.name)
+    log.info("%s stopping", name)
     if leadership is not None and campaign is not None:
         campaign.cancel()
         await asyncio.gather(campaign, return_exceptions=True)
         await leadership.resign()  # a standby takes over now, not after the lease's TTL
         await leadership.etcd.close()
     await runner.stop(min(cfg.drain_timeout_s, 2.0))
-    log.info("%s stopped", cfg.name)
+    log.info("%s stopped", name)
     return 0
 
 
