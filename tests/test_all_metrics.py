@@ -3,18 +3,11 @@ child that does not answer is left out of the scrape and said to be down. Real H
 
 from __future__ import annotations
 
-import socket
-
 from prometheus_client import CollectorRegistry, Counter, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import free_port
 from mooncaked.roles.all_metrics import children_registry, process_labels
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_process_labels_name_the_first_of_a_role_by_the_role():
@@ -27,12 +20,12 @@ def test_the_children_pages_are_served_as_one_with_the_process_named():
     for served in (3, 5):
         registry = CollectorRegistry()
         Counter("mooncaked_demo_requests", "Requests.", ["kind"], registry=registry).labels("a").inc(served)
-        port = _free_port()
+        port = free_port()
         server, thread = start_http_server(port, "127.0.0.1", registry=registry)
         pages.append((server, f"http://127.0.0.1:{port}/metrics"))
     try:
         targets = {"prefill": pages[0][1], "prefill-1": pages[1][1],
-                   "decode": f"http://127.0.0.1:{_free_port()}/metrics",  # nobody listens there
+                   "decode": f"http://127.0.0.1:{free_port()}/metrics",  # nobody listens there
                    "store": None}  # not told its port yet
         text = generate_latest(children_registry(targets)).decode()
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cluster import free_port
 from mooncaked.store import StoreClient, StoreClientConfig
 
 KiB = 1024
@@ -118,12 +118,6 @@ async def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None
 async def lmdb_objects(c: StoreClient) -> int:
     stats = await c.pool_stats()
     return sum(s.objects for s in stats.segments if s.medium == "lmdb")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -247,13 +247,10 @@ async def test_a_get_copies_from_the_last_seen_place_and_keeps_only_the_committe
 async def test_a_client_whose_first_start_failed_starts_on_a_later_try():
     """An engine retries start() while the master comes up (`--role all` starts them together): the
     regions and LMDB tier of the failed try are kept, not registered twice."""
-    import socket
-
+    from cluster import free_port
     from mooncaked.store import StoreClient, StoreClientConfig, StoreError
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # below the ephemeral range: nothing takes it before the master starts on it
     c = StoreClient(StoreClientConfig(master=f"127.0.0.1:{port}", client_id="early", dram_bytes=256 * KiB,
                                       rpc_timeout_s=0.5, ping_interval_s=0.2))
     with pytest.raises(StoreError):

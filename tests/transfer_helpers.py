@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import multiprocessing as mp
-import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -57,7 +56,8 @@ def digest_bytes(data: bytes) -> str:
 
 
 def closed_port() -> int:
-    """A port nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on (cluster.free_port: below the ephemeral range, so nothing binding any port
+    takes it meanwhile)."""
+    from cluster import free_port
+
+    return free_port()
