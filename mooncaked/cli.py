@@ -252,7 +252,9 @@ async def _run(cfg, parent_pid: int | None) -> int:
         else:  # a child of `all`: its parent serves these with every other process's, from the port we bound
             from mooncaked.startup import tell_parent_port
 
-            tell_parent_port(parent_pid, "metrics", server.server_port)
+            if not tell_parent_port(parent_pid, "metrics", server.server_port):
+                log.warning("could not tell the `all` process which metrics port %s serves on (%d): its page "
+                            "shows this process as down", cfg.role, server.server_port)
     if cfg.role in ("prefill", "decode"):
         from mooncaked.roles.engine_role import run_engine_role
 

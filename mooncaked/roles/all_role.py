@@ -21,8 +21,8 @@ import re
 import socket
 import sys
 import time
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from mooncaked import proc_title
 from mooncaked.config import (AllConfig, ConductorConfig, DecodeConfig, HostPort, PrefillConfig, RoleConfig,
@@ -77,8 +77,9 @@ def child_configs(cfg: AllConfig, store: HostPort | None = None) -> list[RoleCon
 
     def engine(cls: type[RoleConfig], role: str, i: int, **over) -> RoleConfig:
         """Two engines cannot share a data-plane port (nor a reads-by-key port) or an LMDB folder: any port, a
-        folder each (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an LMDB tier: its
-        objects are served by promoting them into that DRAM (a decode lends none unless --store-dram-bytes says)."""
+        folder each (ROLE for the first of a role, ROLE-I for the others). Only an engine that lends DRAM gets an
+        LMDB tier: its objects are served by promoting them into that DRAM (a decode lends none unless
+        --store-dram-bytes says)."""
         folder = numbered(role, i)
         lends_dram = over.get("store_dram_bytes", cfg.store_dram_bytes) > 0
         lmdb = str(Path(cfg.store_lmdb_path) / folder) if cfg.store_lmdb_path and lends_dram else None

@@ -56,8 +56,9 @@ async def run_store_role(cfg: StoreConfig, parent_pid: int | None = None) -> int
     ha = f"; HA through etcd {','.join(str(e) for e in cfg.etcd)} (standing by until elected)" if cfg.etcd else ""
     print(f"mooncaked store {name}: gRPC on {address} (StoreMaster, epoch {runner.master.epoch}; "
           f"fast path {f'on port {fast}' if fast else 'off'}){ha}; security: {security.mode}", flush=True)
-    if parent_pid is not None:
-        tell_parent_port(parent_pid, "store", port)
+    if parent_pid is not None and not tell_parent_port(parent_pid, "store", port):
+        # the parent waits for this port before it starts anything else: exiting is what it can act on
+        raise RuntimeError(f"could not tell the `all` process {parent_pid} which port the store master bound")
     sd_notify(f"READY=1\nSTATUS=StoreMaster on {address}")
     await runner.server.stopping.wait()
 
