@@ -150,3 +150,39 @@ def test_one_machine_serves_through_a_pipeline_group(tiny_model_factory, tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_the_parent_hears_only_its_children_each_for_itself(capsys):
+    """The children's socket is in the abstract namespace, where any local process can send: a port report
+    or error line from a process that is not a child (here: the test itself), or a child's report for
+    another pid, is dropped; a child's own report is taken."""
+    import asyncio
+
+    from mooncaked.roles.all_role import ChildPorts, _hear_children, _parent_socket
+    from mooncaked.startup import _send_parent, tell_parent
+
+    sock, _ = _parent_socket()
+    ports, ready = ChildPorts(), asyncio.get_running_loop().create_future()
+    pids: set[int] = set()
+    hearing = asyncio.ensure_future(_hear_children(sock, ready, ports, lambda: pids))
+    try:
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import sys, time\n"
+            "from mooncaked.startup import _send_parent, tell_parent_port\n"
+            "parent = int(sys.argv[1])\n"
+            "_send_parent(parent, f'MOONCAKED_PORT=store {parent} 7777')\n"  # for another pid: dropped
+            "time.sleep(0.3)\n"
+            "assert tell_parent_port(parent, 'store', 1234)\n"), str(os.getpid())])
+        pids.add(child.pid)
+        # forged by a process that is not a child (this one), in the child's name, before the child speaks
+        assert _send_parent(os.getpid(), f"MOONCAKED_PORT=store {child.pid} 6666")
+        assert tell_parent(os.getpid(), "a forged error line")
+        forged_for_parent = ports.future("store", os.getpid())
+        assert await asyncio.wait_for(ports.future("store", child.pid), 30) == 1234
+        assert child.wait(30) == 0
+        assert not forged_for_parent.done()
+        assert "forged" not in capsys.readouterr().err
+    finally:
+        hearing.cancel()
+        await asyncio.gather(hearing, return_exceptions=True)
+        sock.close()

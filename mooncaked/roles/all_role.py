@@ -19,8 +19,10 @@ import multiprocessing
 import os
 import re
 import socket
+import struct
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,28 +173,61 @@ def _child_main(cfg: RoleConfig, notify: str | None = None) -> None:
 
 def _parent_socket() -> tuple[socket.socket, str]:
     """The datagram socket children talk to the parent on: the conductor's systemd-style READY=1
-    (as its NOTIFY_SOCKET, spelled with '@') and any child's one-line startup error."""
+    (as its NOTIFY_SOCKET, spelled with '@'), the ports children bound and any child's one-line startup
+    error. Its name is in the abstract namespace, where any local process can send to it: the kernel
+    stamps each datagram with its sender's pid (SO_PASSCRED), and only our children's are heard."""
     from mooncaked.startup import parent_socket_name
 
     name = parent_socket_name(os.getpid())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     sock.bind(name)
     sock.setblocking(False)
     return sock, "@" + name[1:]
 
 
-async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future, ports: ChildPorts) -> None:
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+async def _datagram(sock: socket.socket) -> tuple[str, int | None]:
+    """The next datagram and the pid the kernel says sent it (None: no credentials came)."""
+    loop = asyncio.get_running_loop()
+    fd = sock.fileno()
+    while True:
+        try:
+            data, ancillary, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(_CREDENTIALS.size))
+        except BlockingIOError:
+            readable = loop.create_future()
+            loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+            try:
+                await readable
+            finally:
+                loop.remove_reader(fd)
+            continue
+        pid = None
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _CREDENTIALS.size:
+                pid = _CREDENTIALS.unpack_from(payload)[0]
+        return data.decode(errors="replace"), pid
+
+
+async def _hear_children(sock: socket.socket, conductor_ready: asyncio.Future, ports: ChildPorts,
+                         children: Callable[[], set[int]]) -> None:
     """Resolve ``conductor_ready`` with the conductor's READY=1 fields; take the ports children bound;
-    print the first child's error line (later ones are the cluster stopping, not news)."""
+    print the first child's error line (later ones are the cluster stopping, not news). ``children``: the
+    pids of the processes started; a datagram from any other process is dropped."""
     from mooncaked.startup import CHILD_ERROR, child_port
 
-    loop = asyncio.get_running_loop()
     told_error = False
     while True:
-        data = (await loop.sock_recv(sock, 4096)).decode(errors="replace")
+        data, sender = await _datagram(sock)
+        if sender is None or sender not in children():
+            log.info("dropped a message on the children's socket from process %s, not a child of ours", sender)
+            continue
         port = child_port(data)
         if port is not None:
-            ports.told(*port)
+            if port[1] == sender:  # a child speaks for itself only
+                ports.told(*port)
             continue
         if data.startswith(CHILD_ERROR + "="):
             if not told_error:
@@ -216,8 +251,9 @@ async def run_all_role(cfg: AllConfig) -> int:
     notify, notify_at = _parent_socket()
     conductor_ready: asyncio.Future = asyncio.get_running_loop().create_future()
     ports = ChildPorts()
-    hearing = spawn(_hear_children(notify, conductor_ready, ports), "hear-children")
     children: list[tuple[RoleConfig, multiprocessing.process.BaseProcess]] = []
+    hearing = spawn(_hear_children(notify, conductor_ready, ports, lambda: {p.pid for _, p in children}),
+                    "hear-children")
     targets = _serve_metrics(cfg) if cfg.metrics is not None else {}
     started: dict[str, int] = {}  # children started per role: their metrics labels
 
@@ -296,6 +332,7 @@ async def run_all_role(cfg: AllConfig) -> int:
             p.join()
     await asyncio.sleep(0)  # a last child's error line, if one is on its way, is printed before we go
     hearing.cancel()
+    await asyncio.gather(hearing, return_exceptions=True)  # it stops watching the socket before it closes
     notify.close()
     return code
 
