@@ -482,21 +482,23 @@ class Engine:
             self._held[seq.request_id] = seq
         outputs.append(self._emit(req, []))
 
-    def constraint_for(self, params: SamplingParams) -> Constraint | None:
-        """A new request's grammar state (None without a grammar); thread-safe. Making it takes ms (tens for a
-        wide schema, llguidance releasing the GIL), so daemons make it in a worker thread and hand it to
-        ``add_request`` / ``add_prefilled`` rather than have the engine thread make it mid-step."""
-        if params.grammar is None:
+    async def constraint_for(self, params: SamplingParams) -> Constraint | None:
+        """A new request's grammar state (None without a grammar), made in a worker thread, for ``add_request``
+        / ``add_prefilled``: it takes ms (tens for a wide schema; llguidance releases the GIL), and made by the
+        engine thread it would hold up the step the request joins, every other request's too."""
+        if not params.grammar:
             return None
-        return Constraint.for_request(self.model_dir, self.eos_token_ids, self.model_config.vocab_size,
-                                      params.grammar, [])
+        params.validate()  # a bad grammar is a RequestError, as add_request's
+        return await asyncio.get_running_loop().run_in_executor(None, self._new_constraint, params.grammar, [])
+
+    def _new_constraint(self, grammar: str, tokens: list[int]) -> Constraint:
+        return Constraint.for_request(self.model_dir, self.eos_token_ids, self.model_config.vocab_size, grammar, tokens)
 
     def _constraint(self, seq: Sequence) -> Constraint:
-        """The request's grammar state, made on first use from the tokens it already has (on a decode
-        instance: the first token, which the prefill chose under the same grammar)."""
+        """The request's grammar state: the one handed in (``constraint_for``), else made here on first use from
+        the tokens it already has (an engine stepped by its caller: ``generate``)."""
         if seq.constraint is None:
-            seq.constraint = Constraint.for_request(self.model_dir, self.eos_token_ids, self.model_config.vocab_size,
-                                                    seq.params.grammar or "", seq.output_token_ids)
+            seq.constraint = self._new_constraint(seq.params.grammar or "", seq.output_token_ids)
         return seq.constraint
 
     def _append_token(self, req: _Request, token: int, logprob: float | None, top: TopLogprobs | None,
@@ -605,11 +607,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self.start_driver(loop)
-        if params is not None and params.grammar:  # its state made off the engine thread (constraint_for)
-            params.validate()
-            constraint = await loop.run_in_executor(None, self.constraint_for, params)
-        else:
-            constraint = None
+        constraint = await self.constraint_for(params) if params is not None else None
         rid = self.add_request(prompt, params, request_id, constraint=constraint,
                                sink=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
         finished = False

@@ -102,10 +102,9 @@ class Decoder:
         w, engine = self.worker, self.engine
         loop = asyncio.get_running_loop()
         pending = self.reserved.get(rid)
-        # a grammar's state is made in a worker thread before the reservation is taken (a client gone meanwhile
-        # leaves it reserved, to expire as any unclaimed one), not by the engine thread mid-step
-        constraint = (await loop.run_in_executor(None, engine.constraint_for, pending.params)
-                      if pending is not None and pending.params.grammar is not None else None)
+        # a grammar's state, made off the engine thread before the reservation is taken (a client gone meanwhile
+        # leaves it reserved, to expire as any unclaimed one)
+        constraint = await engine.constraint_for(pending.params) if pending is not None else None
         held = self.reserved.pop(rid, None)
         if held is None:
             raise EngineError(NOT_FOUND, f"no reservation for request {rid!r}")

@@ -410,9 +410,8 @@ class Pipeline:
                 loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
 
         one = dataclasses.replace(job.params, max_tokens=1, min_tokens=min(job.params.min_tokens, 1))
-        # the stage that samples makes the grammar's state in a worker thread, not the engine thread mid-step
-        constraint = (await loop.run_in_executor(None, self.engine.constraint_for, job.params)
-                      if job.params.grammar and job.stage.is_last else None)
+        # the stage that samples makes a grammar's state, off the engine thread
+        constraint = await self.engine.constraint_for(job.params) if job.stage.is_last else None
         try:
             self.engine.add_request(job.prompt, one, job.rid, sink, imported_blocks=list(job.local), hold_blocks=True,
                                     stage_input=None if job.stage.is_first else job.ready, layers=job.layers,

@@ -78,8 +78,7 @@ class Prefiller:
         w.check("prefill")
         self._check(rid, prompt, params, target)
         loop = asyncio.get_running_loop()
-        # a grammar's state is made here, in a worker thread, not by the engine thread mid-step
-        constraint = await loop.run_in_executor(None, self.engine.constraint_for, params) if params.grammar else None
+        constraint = await self.engine.constraint_for(params)  # a grammar's state, made off the engine thread
         fence = self.worker.fence(rid, target)
         push = KVPush(w.transfer, loop, w.layout, target.layout, target.endpoint.address, list(target.block_ids),
                       len(prompt), self.layerwise, fence=fence)
@@ -162,7 +161,6 @@ class Prefiller:
             finally:
                 self.ended.pop(rid, None)
                 ended.set()
-
 
     @staticmethod
     def _keeps_pulled(prepared: Prepared, plan: PrefillPlan | None) -> bool:

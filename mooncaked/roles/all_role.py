@@ -128,15 +128,14 @@ class ChildPorts:
 
 def _serve_metrics(cfg: AllConfig) -> dict[str, str | None]:
     """--metrics serves every child's metrics as one page (all_metrics.py). Returns the scrape targets by
-    label (all_metrics.process_labels), each None until its child told the port it bound (``_scrape_when_told``)."""
+    label, empty here: each child is added as it starts, None until it told the port it bound
+    (``_scrape_when_told``)."""
     import prometheus_client
 
     from mooncaked.startup import listening
 
     assert cfg.metrics is not None
-    roles = (["store"] if cfg.store is None else []) + ["conductor"] + \
-        ["prefill"] * (cfg.prefill_instances * cfg.pipeline_stages) + ["decode"] * cfg.decode_instances
-    targets: dict[str, str | None] = dict.fromkeys(process_labels(roles))
+    targets: dict[str, str | None] = {}
     with listening("--metrics", cfg.metrics):
         server, _ = prometheus_client.start_http_server(cfg.metrics.port, cfg.metrics.host,
                                                         registry=children_registry(targets))
@@ -146,6 +145,8 @@ def _serve_metrics(cfg: AllConfig) -> dict[str, str | None]:
 
 
 def _scrape_when_told(ports: ChildPorts, pid: int, label: str, targets: dict[str, str | None]) -> None:
+    targets[label] = None
+
     def told(fut: asyncio.Future[int]) -> None:
         if not fut.cancelled():
             targets[label] = f"http://127.0.0.1:{fut.result()}/metrics"
@@ -254,20 +255,18 @@ async def run_all_role(cfg: AllConfig) -> int:
     children: list[tuple[RoleConfig, multiprocessing.process.BaseProcess]] = []
     hearing = spawn(_hear_children(notify, conductor_ready, ports, lambda: {p.pid for _, p in children}),
                     "hear-children")
-    targets = _serve_metrics(cfg) if cfg.metrics is not None else {}
-    started: dict[str, int] = {}  # children started per role: their metrics labels
+    targets = _serve_metrics(cfg) if cfg.metrics is not None else None
 
     def start(child: RoleConfig) -> multiprocessing.process.BaseProcess:
-        if targets:  # a metrics port on loopback, any free one: the child tells us which
+        if targets is not None:  # a metrics port on loopback, any free one: the child tells us which
             child = dataclasses.replace(child, metrics=HostPort("127.0.0.1", 0))  # type: ignore[call-arg]
         told = notify_at if child.role == "conductor" else None
         p = ctx.Process(target=_child_main, args=(child, told), name=f"mooncaked-{child.role}", daemon=False)
         p.start()
         children.append((child, p))
-        label = numbered(child.role, started.get(child.role, 0))
-        started[child.role] = started.get(child.role, 0) + 1
-        if targets:
+        if targets is not None:
             assert p.pid is not None
+            label = process_labels(c.role for c, _ in children)[-1]
             _scrape_when_told(ports, p.pid, label, targets)
         return p
 
