@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,40 +16,10 @@ import grpc
 
 from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from ports import free_port  # noqa: E402  (one walk of this process's ports, shared with the tools)
 
-def _unhanded_ports() -> list[int]:
-    """Ports for daemons a test starts on a port it names: below the kernel's ephemeral range, which
-    bind(0) and connect() draw from, so no process binding "any port" meanwhile can take one before its
-    daemon binds it (the suite's engines do so by the dozen). Split between pytest-xdist workers, so
-    two workers never hand out the same one; this process's share is walked from a random start."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768
-    first = 10000 if ephemeral > 12000 else 1024
-    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-    share = (ephemeral - first) // workers
-    ports = list(range(first + worker * share, first + (worker + 1) * share))
-    start = random.randrange(len(ports))
-    return ports[start:] + ports[:start]
-
-
-_ports = itertools.cycle(_unhanded_ports())
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on, that no "any port" bind can take before the caller's daemon binds it."""
-    for _ in range(1000):
-        port = next(_ports)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use, or a connection of a daemon gone still in TIME_WAIT
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+__all__ = ["Cluster", "free_port"]
 
 
 @dataclass

@@ -32,7 +32,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench_pd import MiniCluster, _free_port, _median, _prompts
+from bench_pd import MiniCluster, _median, _prompts
+from ports import free_port
 from mooncaked.proto.mooncake.v1 import conductor_pb2, conductor_pb2_grpc
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -123,7 +124,7 @@ def main() -> int:
         single, single_first = run(model, Path(tmp), prompts, single_flags)
         t_single = _median(single)
         for n in args.stages:
-            metrics = [_free_port() for _ in range(n)]
+            metrics = [free_port() for _ in range(n)]
             flags = (_elastic_flags if args.elastic else _stage_flags)(n, args.chunk, metrics)
             env = {**ONE_THREAD, "MOONCAKED_POLICY": "mooncaked"} if args.elastic else ONE_THREAD
             cluster = MiniCluster(model, Path(tmp), env, flags)

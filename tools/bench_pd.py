@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,14 +34,9 @@ import grpc
 
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from mooncaked.security import Security
+from ports import free_port
 
 SECURITY_ENV = ("MOONCAKED_TLS_CERT", "MOONCAKED_TLS_KEY", "MOONCAKED_TLS_CA", "MOONCAKED_CLUSTER_TOKEN_FILE")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MiniCluster:
@@ -52,7 +46,7 @@ class MiniCluster:
     def __init__(self, model: str, log_dir: Path, env: dict[str, str],
                  prefills: list[list[str]] | None = None) -> None:
         self.procs: list[subprocess.Popen] = []
-        self.conductor = f"127.0.0.1:{_free_port()}"
+        self.conductor = f"127.0.0.1:{free_port()}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKED_") or k in SECURITY_ENV}
         self.security = Security.load(*(os.environ.get(k) for k in SECURITY_ENV))
         base.update({"MOONCAKED_MODEL": model, "MOONCAKED_ENABLE_PREFIX_CACHING": "false",
@@ -62,7 +56,7 @@ class MiniCluster:
         roles = [("conductor", "conductor", []), ("decode", "decode", [])]
         roles += [(f"prefill-{i}" if i else "prefill", "prefill", extra) for i, extra in enumerate(prefills)]
         for name, role, extra in roles:
-            listen = self.conductor if role == "conductor" else f"127.0.0.1:{_free_port()}"
+            listen = self.conductor if role == "conductor" else f"127.0.0.1:{free_port()}"
             cmd = [sys.executable, "-m", "mooncaked.cli", "--role", role, "--listen", listen, "--name", name, *extra]
             if role != "conductor":
                 cmd += ["--conductor", self.conductor]

@@ -59,6 +59,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from ports import free_port
+
 CTX = mp.get_context("spawn")
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,12 +80,6 @@ ROUND_TRIP_BYTES = 64
 # costs more than the bytes (a VM whose processes wake each other slowly: docs/performance.md), a ratio tends
 # to Mooncake's count over ours.
 ROUND_TRIPS = {"mooncake": {"put": 3, "get": 2}, "ours": {"put": 2, "get": 1}, "ours_shm": {"put": 1, "get": 0}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def payloads(n: int, size: int) -> list[bytes]:

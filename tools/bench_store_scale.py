@@ -52,6 +52,8 @@ from typing import Any
 
 import xxhash
 
+from ports import free_port
+
 CTX = mp.get_context("spawn")
 ROOT = Path(__file__).resolve().parent.parent
 HIGH_WATERMARK = 0.9  # the master's default (--store-high-watermark), which the process runs with
@@ -86,12 +88,6 @@ class Shape:
     @property
     def sample_batches(self) -> int:
         return max(1, min(self.batches, self.sample_keys // self.batch))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(port: int) -> bool:

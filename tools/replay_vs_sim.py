@@ -41,7 +41,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import replay as replay_tool  # noqa: E402
 import simulate as simulate_tool  # noqa: E402
+from ports import free_port  # noqa: E402
 from mooncaked.conductor.policies import ALL_POLICY_NAMES  # noqa: E402
 from mooncaked.config import POLICIES as LIVE_POLICIES  # noqa: E402
 from sim.trace import DEFAULT_TRACE  # noqa: E402
@@ -69,12 +69,6 @@ STEP_TOKENS = 256  # the live engines' step budget (the CPU default), and so an 
 START_TIMEOUT_S = 240.0
 STATUS_TIMEOUT_S = 5.0
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the model and its profile ---------------------------------------------------------------------------
