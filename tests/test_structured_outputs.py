@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import grpc
 import openai
@@ -18,6 +19,7 @@ from cluster import Cluster
 from mooncaked.proto.mooncake.v1 import common_pb2, conductor_pb2, conductor_pb2_grpc
 from mooncaked.engine import Engine, RequestError, SamplingParams
 from mooncaked.engine.grammar import json_schema_grammar, regex_grammar
+from mooncaked.engine.engine_thread import THREAD_NAME
 from mooncaked.engine.loader import resolve_model_dir
 from tiny_models import random_prompts
 
@@ -73,11 +75,20 @@ async def test_a_streamed_answer_follows_the_grammar_as_generate_does(model_dir,
     params = SamplingParams(max_tokens=64, grammar=json_schema_grammar(PERSON))
     want = engine.generate([ids], params)[0]
     streaming = Engine.from_pretrained(model_dir, block_size=16, kv_cache_bytes=64 << 20)
+    built_on: list[str] = []  # the thread each grammar state was made on
+    make = streaming._new_constraint
+
+    def recorded(grammar: str, tokens: list[int]):
+        built_on.append(threading.current_thread().name)
+        return make(grammar, tokens)
+
+    streaming._new_constraint = recorded
     try:
         outs = [o async for o in streaming.stream(ids, params)]
     finally:
         streaming.close()
     assert [t for o in outs for t in o.new_token_ids] == want.token_ids and outs[-1].finish_reason == "stop"
+    assert len(built_on) == 1 and not built_on[0].startswith(THREAD_NAME), built_on
 
 
 def test_a_bad_grammar_is_refused_and_one_the_model_cannot_follow_fails_only_its_request(tiny_model_factory):
