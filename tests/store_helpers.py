@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from prometheus_client import REGISTRY
 
 from mooncaked.store import Policy, StoreClient, StoreClientConfig
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 
 
 async def start(port: int = 0, **policy) -> tuple[MasterRunner, str]:

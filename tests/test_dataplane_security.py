@@ -21,7 +21,7 @@ from mooncaked.store import Policy, StoreClient, StoreClientConfig
 from mooncaked.store.errors import StoreUnavailable
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import HEADER, HELLO, MAX_REQUEST_BYTES, REQUEST, pack_request
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 from mooncaked.transfer import PeerUnavailableError, TransferEngine, TransferError, TransferOp
 from mooncaked.transfer.api import parse_address
 from mooncaked.transfer.conn_guard import ConnLimits

@@ -24,7 +24,7 @@ from mooncaked.store.errors import (
 from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.fast_wire import HEADER, HELLO, REQUEST
 from mooncaked.store.master import RESERVED_PREFIX
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(60)

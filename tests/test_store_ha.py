@@ -29,7 +29,7 @@ from mooncaked.store.fast_channel import FastChannel
 from mooncaked.store.errors import StoreUnavailable
 from mooncaked.store.etcd_gateway import EtcdGateway
 from mooncaked.store.leadership import MasterInfo, leader_key, standbys_prefix
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 
 pytestmark = pytest.mark.timeout(300)
 TTL_S = 1  # the fixture's etcd grants 1-second leases

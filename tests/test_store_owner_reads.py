@@ -18,7 +18,7 @@ from mooncaked.store import service
 from mooncaked.store.errors import StoreUnavailable
 from mooncaked.store.owner_wire import REPLY, KeyRequest, pack_request
 from mooncaked.store.records import checksum
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(90)

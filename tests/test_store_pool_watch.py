@@ -20,7 +20,7 @@ from mooncaked.proto.mooncake.v1 import store_pb2, store_pb2_grpc
 from mooncaked.store import Policy
 from mooncaked.store.master import StoreMaster
 from mooncaked.store.pool_events import PoolEventHub
-from mooncaked.store.service import MasterRunner
+from mooncaked.store.master_runner import MasterRunner
 
 KiB = 1024
 pytestmark = pytest.mark.timeout(60)

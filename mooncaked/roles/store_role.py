@@ -18,7 +18,8 @@ from mooncaked.security import Security
 from mooncaked.startup import listening, tell_parent_port
 from mooncaked.store import metrics
 from mooncaked.store.records import Policy
-from mooncaked.store.service import HOST_ID, MasterRunner
+from mooncaked.store.master_runner import MasterRunner
+from mooncaked.store.service import HOST_ID
 from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
