@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from mooncaked.store import metrics
+from mooncaked.store.free_order import FreeOrder
 from mooncaked.store.records import (
     Client, ObjectMeta, ObjectRecord, Placed, Policy, PoolEventKind, Replica, Segment, Task, TaskKind,
 )
@@ -72,6 +73,7 @@ class Catalog:
         self.hooks = hooks
         self.clock = clock
         self.segments: dict[str, Segment] = {}
+        self.free_order = FreeOrder()  # the DRAM segments, by free bytes (placement asks)
         self.objects: dict[str, ObjectMeta] = {}
         self.clients: dict[str, Client] = {}
         self.tasks: dict[int, Task] = {}
@@ -121,6 +123,8 @@ class Catalog:
 
     def add_segment(self, seg: Segment) -> None:
         self.segments[seg.name] = seg
+        if seg.medium == "dram":
+            self.free_order.add(seg)
         client = self.clients.get(seg.owner)
         if client is not None:
             client.segments.add(seg.name)
@@ -138,6 +142,7 @@ class Catalog:
             return None
         if not seg.alloc.take(rec.offset, rec.size):
             return None
+        self.free_order.changed(seg)
         rep = Replica(seg.name, rec.offset if seg.medium == "dram" else 0, rec.size, True)
         seg.keys[key] = None
         seg.held += 1
@@ -154,6 +159,7 @@ class Catalog:
         """Forget a segment and every copy on it (its tasks settled first by the caller); returns how many
         objects went with it."""
         del self.segments[seg.name]
+        self.free_order.remove(seg)
         client = self.clients.get(seg.owner)
         if client is not None:
             client.segments.discard(seg.name)
@@ -176,6 +182,7 @@ class Catalog:
         """Allocate a new copy's bytes on a segment a decider found room on."""
         offset = seg.alloc.alloc(size)
         assert offset is not None, f"no room for {size} bytes on {seg.name} that a decider found"
+        self.free_order.changed(seg)
         return Placed(Replica(seg.name, offset, size), seg)
 
     def new_object(self, key: str, size: int, checksum: int, placed: Sequence[Placed], soft_pin: bool) -> ObjectMeta:
@@ -227,6 +234,7 @@ class Catalog:
         """A copy of `obj` being written to `seg` (a tier move's target; complete once the move is done)."""
         offset = seg.alloc.alloc(obj.size)
         assert offset is not None, f"no room for {obj.size} bytes on {seg.name} that a decider found"
+        self.free_order.changed(seg)
         rep = Replica(seg.name, offset, obj.size)
         obj.replicas.append(rep)
         seg.keys[obj.key] = None
@@ -267,6 +275,7 @@ class Catalog:
                 heapq.heappush(self._deferred, (obj.lease_until, next(self._seq), seg, rep.offset, rep.size, False))
             else:
                 seg.alloc.free(rep.offset, rep.size)
+                self.free_order.changed(seg)
             if seg.medium == "lmdb" and rep.complete and send_delete:
                 self.send_delete(seg.owner, obj.key, seg.name, rep.size)
         if obj.committed and not any(r.complete for r in obj.replicas):
@@ -294,6 +303,7 @@ class Catalog:
             _, _, seg, offset, size, held = heapq.heappop(self._deferred)
             if self.segments.get(seg.name) is seg:
                 seg.alloc.free(offset, size)
+                self.free_order.changed(seg)
                 if held:
                     seg.leaving_bytes = max(0, seg.leaving_bytes - size)
 

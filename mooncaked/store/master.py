@@ -236,9 +236,8 @@ class StoreMaster:
         """`ahead`: a place reserved before any object needs it takes free space only (evicts nothing)."""
         if size <= 0:
             raise InvalidArgument(f"object {key!r}: size must be positive, got {size}")
-        drams = [s for s in self.segments.values() if s.medium == "dram"]
-        biggest = max((s.capacity for s in drams), default=0)
-        limit = min(self.policy.max_object_bytes, biggest) if drams else self.policy.max_object_bytes
+        drams = self.catalog.free_order
+        limit = min(self.policy.max_object_bytes, drams.biggest) if drams.segments else self.policy.max_object_bytes
         if size > limit:
             raise InvalidArgument(f"object {key!r} of {size} bytes is larger than the largest object the pool "
                                   f"takes ({limit} bytes: max object size or the biggest DRAM segment)")
@@ -254,12 +253,12 @@ class StoreMaster:
                 self.catalog.touch_lru(obj)
                 return PutPlan([], exists=True)
             self._discard_stale(obj)
-        if not drams:
+        if not drams.segments:
             raise NoRoom("no DRAM segment is mounted: start an engine with --store-dram-bytes")
         cat = self.catalog
         placed: list[Placed] = []
         if self.clock() >= self.fresh_dram_from:
-            placed = self._places(placement.place(cat, drams, size, min(replicas or self.policy.replicas, len(drams)),
+            placed = self._places(placement.place(cat, size, min(replicas or self.policy.replicas, len(drams.segments)),
                                                   pref, make_room and not ahead, evict=not ahead))
         if not placed and writer and not ahead:
             own = cat.tier_of(writer, "dram")  # a read promotes it there: it must fit

@@ -1,4 +1,4 @@
-"""Where a new object's copies go: distinct DRAM segments, the most free space first.
+"""Where a new object's copies go: distinct DRAM segments, the most free space first (free_order.py).
 
 Never two copies on one segment (each segment is tried once); the writer's preferred
 segment, when named, goes first. A segment too full for the object first drops what loses
@@ -13,8 +13,9 @@ the master allocates each place when it applies it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator
 
 from mooncaked.store import eviction
 from mooncaked.store.catalog import Catalog
@@ -24,14 +25,22 @@ from mooncaked.store.records import Segment
 logger = logging.getLogger(__name__)
 
 
-def place(cat: Catalog, drams: Sequence[Segment], size: int, want: int, preferred: Segment | None,
-          make_room: bool, evict: bool = True) -> Decisions[None]:
-    """Up to `want` places for `size` bytes on distinct segments; none when none has room.
+def place(cat: Catalog, size: int, want: int, preferred: Segment | None, make_room: bool,
+          evict: bool = True) -> Decisions[None]:
+    """Up to `want` places for `size` bytes on distinct DRAM segments; none when none has room.
     `evict=False`: free space only (a place reserved ahead must not push objects out)."""
-    order = sorted(drams, key=lambda s: s.alloc.free_bytes, reverse=True)
+    with contextlib.closing(cat.free_order.ranked()) as ranked:
+        yield from _place(cat, _preferred_first(ranked, preferred), size, want, make_room, evict)
+
+
+def _preferred_first(ranked: Iterator[Segment], preferred: Segment | None) -> Iterator[Segment]:
     if preferred is not None:
-        order.remove(preferred)
-        order.insert(0, preferred)
+        yield preferred
+    yield from (seg for seg in ranked if seg is not preferred)
+
+
+def _place(cat: Catalog, order: Iterator[Segment], size: int, want: int, make_room: bool,
+           evict: bool) -> Decisions[None]:
     placed = 0
     ceiling = cat.policy.high_watermark
     for seg in order:
