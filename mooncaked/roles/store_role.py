@@ -18,11 +18,14 @@ from mooncaked.security import Security
 from mooncaked.startup import listening, tell_parent_port
 from mooncaked.store import metrics
 from mooncaked.store.records import Policy
+from mooncaked.store.gc_freeze import MetadataFreeze
 from mooncaked.store.master_runner import MasterRunner
 from mooncaked.store.service import HOST_ID
 from mooncaked.tasks import spawn
 
 log = logging.getLogger(__name__)
+
+FREEZE_TICK_S = 5.0  # how often the metadata freeze reports and checks whether to unfreeze
 
 
 def policy_of(cfg: StorePolicyConfig) -> Policy:
@@ -61,7 +64,12 @@ async def run_store_role(cfg: StoreConfig, parent_pid: int | None = None) -> int
         # the parent waits for this port before it starts anything else: exiting is what it can act on
         raise RuntimeError(f"could not tell the `all` process {parent_pid} which port the store master bound")
     sd_notify(f"READY=1\nSTATUS=StoreMaster on {address}")
+    freeze = MetadataFreeze()  # this process holds the pool's metadata: keep it out of full collections
+    freeze.install()
+    ticking = spawn(_tick_every(freeze, FREEZE_TICK_S), "gc-freeze")
     await runner.server.stopping.wait()
+    ticking.cancel()
+    freeze.uninstall()
 
     # nothing in flight is worth waiting for: metadata is rebuilt by the clients' remounts
     sd_notify("STOPPING=1")
@@ -74,6 +82,12 @@ async def run_store_role(cfg: StoreConfig, parent_pid: int | None = None) -> int
     await runner.stop(min(cfg.drain_timeout_s, 2.0))
     log.info("%s stopped", name)
     return 0
+
+
+async def _tick_every(freeze: MetadataFreeze, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        freeze.tick()
 
 
 def start_campaign(runner: MasterRunner, etcd_endpoints: list[str], security: Security, name: str, address: str,
