@@ -420,12 +420,14 @@ def test_pool_events_for_unmount_dead_client_and_remount():
     assert sorted(hooks.events[1:]) == [("removed", "both", ""), ("removed", "onlya", "")]
     del hooks.events[:]
     recs = [ObjectRecord("x", 0, 500, 11), ObjectRecord("y", 0, 500, 12)]
+    assert m.stats().objects == 0
     assert m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs) == (2, [])
     assert hooks.events == [("stored", "x", "lmdb"), ("stored", "y", "lmdb")]
+    assert m.stats().objects == 2  # re-reported objects count as the committed ones do
     del hooks.events[:]
     m.mount("A", SegmentSpec("a-lmdb", "lmdb", 1 << 20), recs[:1])  # remounted with y gone from the disk
     assert hooks.events == [("removed", "x", ""), ("removed", "y", ""), ("stored", "x", "lmdb")]
-    assert m.exist("x") and not m.exist("y")
+    assert m.exist("x") and not m.exist("y") and m.stats().objects == 1
 
 
 def test_a_client_that_unmounts_its_last_segment_has_left_and_is_not_reported_dead(caplog):
@@ -468,6 +470,10 @@ def test_pool_events_replayed_always_equal_what_the_master_holds():
         applied = len(hooks.events)
         truth = {k: m.medium_of(o) for k, o in m.objects.items() if o.committed}
         assert seen == truth
+        assert m.stats().objects == len(truth)  # a count kept, not a walk
+        drams = [s for s in m.segments.values() if s.medium == "dram"]  # placement's ranking: a stable sort
+        ranked = sorted(drams, key=lambda s: s.alloc.free_bytes, reverse=True)
+        assert [s.name for s in m.catalog.free_order.ranked()] == [s.name for s in ranked]
 
     def mount(client: str) -> None:
         m.mount(client, dram(f"{client}-dram", 64 * KiB))

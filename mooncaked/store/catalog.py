@@ -75,6 +75,7 @@ class Catalog:
         self.segments: dict[str, Segment] = {}
         self.free_order = FreeOrder()  # the DRAM segments, by free bytes (placement asks)
         self.objects: dict[str, ObjectMeta] = {}
+        self.committed = 0  # objects readers can get (PoolStats: not a walk over a million)
         self.clients: dict[str, Client] = {}
         self.tasks: dict[int, Task] = {}
         self.pending: dict[str, None] = {}  # uncommitted keys, oldest PutStart first
@@ -149,6 +150,7 @@ class Catalog:
         if obj is None:
             obj = self.objects[key] = ObjectMeta(key, rec.size, rec.checksum, [rep], True, self.clock(),
                                                  medium=seg.medium)
+            self.committed += 1
             fresh.append(key)
         else:
             obj.replicas.append(rep)
@@ -211,6 +213,7 @@ class Catalog:
         if checksum is not None:
             obj.checksum = checksum
         obj.committed = True
+        self.committed += 1
         for r in obj.replicas:
             if not r.complete:
                 r.complete = True
@@ -292,6 +295,7 @@ class Catalog:
         for rep in list(obj.replicas):
             self.drop_copy(obj, rep, hold_until=hold_until)
         if obj.committed:
+            self.committed -= 1
             metrics.OBJECTS.dec()
         if obj.medium:
             obj.medium = ""

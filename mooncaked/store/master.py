@@ -525,7 +525,7 @@ class StoreMaster:
     def stats(self) -> PoolStats:
         segs = [SegmentUse(s.name, s.owner, s.medium, s.capacity, s.used, s.held)
                 for s in self.segments.values()]
-        return PoolStats(segs, sum(o.committed for o in self.objects.values()), self.hits, self.misses,
+        return PoolStats(segs, self.catalog.committed, self.hits, self.misses,
                          self.evictions, self.demotions, self.promotions, self.epoch, len(self.clients))
 
     # -- applying decisions ------------------------------------------------------------------------
