@@ -233,6 +233,7 @@ def _eviction_probe_size(hw: float, capacity: int, used: int, object_bytes: int)
 def _inprocess(pipe: Connection, shape: Shape) -> None:
     try:
         from mooncaked.store.errors import NotFound
+        from mooncaked.store.gc_freeze import MetadataFreeze
         from mooncaked.store.master import StoreMaster
         from mooncaked.store.records import ObjectView, Policy
 
@@ -246,12 +247,17 @@ def _inprocess(pipe: Connection, shape: Shape) -> None:
         mounted = rss_kib(pid)
         pauses = GcPauses()
         gc.callbacks.append(pauses)
+        freeze = MetadataFreeze()  # as the store role's process does
+        freeze.install()
         spent, short = _fill(m, shape, 0, shape.batches)
         gc.callbacks.remove(pauses)
         out.update(memory(shape, start, mounted, rss_kib(pid)))
         out["gc_full_collections"] = {"count": len(pauses.full), "max_ms": round(1e3 * max(pauses.full, default=0), 1),
                                       "at_full_ms": round(1e3 * _timed(gc.collect), 1),
-                                      "tracked_objects": len(gc.get_objects())}
+                                      "tracked_objects": len(gc.get_objects()) + gc.get_freeze_count(),
+                                      "frozen_objects": gc.get_freeze_count(),
+                                      "freezes": freeze.freezes}
+        freeze.uninstall()
         out["put"] = rate(shape.objects, shape.batches, spent)
         out["put"]["no_room"] = short
         picks = sample(shape, 1)
@@ -725,7 +731,8 @@ def print_table(out: dict[str, Any]) -> None:
         ping = p["ping_ms"]
         print(f"ours (process): ping round trip under load p50 {ping['p50']} ms, p99 {ping['p99']} ms, "
               f"max {ping['max']} ms; in-process full gc during the fill: {g['count']}, longest "
-              f"{g['max_ms']} ms, one at full {g['at_full_ms']} ms ({g['tracked_objects']:,} tracked objects)")
+              f"{g['max_ms']} ms, one at full {g['at_full_ms']} ms ({g['tracked_objects']:,} tracked objects, "
+              f"{g.get('frozen_objects', 0):,} of them frozen after {g.get('freezes', 0)} slow passes: gc_freeze.py)")
     j = p.get("journal_after_put")
     if j:
         print(f"ours (process): engines' Tasks streams (journal): {j['journal_entries_before']:,} entries had arrived "
