@@ -1,9 +1,9 @@
 """The Mooncake Store: a cluster-wide KV pool.
 
 master.py/eviction.py (metadata state machine), service.py (its gRPC face, served by
-master_runner.py; pool_events.py streams what the pool holds to prefix indexes), client.py (what engines embed: DRAM segment,
-LMDB tier; puts in writes.py, gets in gets.py + reads.py, bytes through transfer/). See
-docs/architecture.md, the store's row.
+master_runner.py; pool_events.py streams what the pool holds to prefix indexes), client.py (what
+engines embed: DRAM segment, LMDB tier; puts in writes.py, gets in gets.py + reads.py, bytes
+through transfer/). See docs/architecture.md, the store's row.
 
 The client is imported lazily: the master never needs torch or the data plane, and a
 store daemon should start in a second, not in the time torch takes to import.

@@ -37,6 +37,7 @@ class FreeOrder:
         if self.segments.pop(seg.name, None) is not None:
             del self._order[seg.name]
             self.biggest = max((s.capacity for s in self.segments.values()), default=0)
+            self._rebuild()  # (rare) no entry keeps the unmounted segment and what it held alive
 
     def changed(self, seg: Segment) -> None:
         """`seg`'s free bytes changed (a copy placed, freed, adopted)."""
@@ -44,9 +45,12 @@ class FreeOrder:
         if order is None:
             return
         heapq.heappush(self._heap, (-seg.alloc.free_bytes, order, seg))
-        if len(self._heap) > 4 * len(self._order) + 64:  # stale entries: start again from the segments
-            self._heap = [(-s.alloc.free_bytes, self._order[n], s) for n, s in self.segments.items()]
-            heapq.heapify(self._heap)
+        if len(self._heap) > 4 * len(self._order) + 64:  # mostly stale entries: start again from the segments
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(-s.alloc.free_bytes, self._order[n], s) for n, s in self.segments.items()]
+        heapq.heapify(self._heap)
 
     def _current(self, entry: _Entry) -> bool:
         free, order, seg = entry
