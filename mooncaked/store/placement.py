@@ -43,9 +43,9 @@ def _place(cat: Catalog, order: Iterator[Segment], size: int, want: int, make_ro
            evict: bool) -> Decisions[None]:
     placed = 0
     ceiling = cat.policy.high_watermark
+    if want <= 0:
+        return
     for seg in order:
-        if placed == want:
-            break
         if not evict and seg.used + size > ceiling * seg.capacity:
             continue  # a place reserved ahead never takes a segment past its watermark (it would push data out)
         if not seg.alloc.fits(size) and not (evict and (yield from eviction.free_now(cat, seg, size))):
@@ -54,6 +54,8 @@ def _place(cat: Catalog, order: Iterator[Segment], size: int, want: int, make_ro
             continue
         yield Place(seg, size)  # (each segment once: never two copies on one)
         placed += 1
+        if placed == want:
+            return  # (before asking the ranking for one more segment)
 
 
 def place_on_lmdb(cat: Catalog, lmdb: Segment | None, size: int) -> Decisions[None]:
