@@ -226,6 +226,19 @@ def test_all_role_tells_its_conductor_where_the_store_master_is():
     assert {c.store for c in child_configs(given)} == {HostPort("10.0.0.2", 50052)}
 
 
+def test_the_all_roles_conductor_waits_for_its_own_engines_to_start():
+    """`all` starts its engines itself, and their first start builds the native kernels: its conductor holds
+    early requests for up to 600 s by default (a lone conductor: 30 s), or what --ready-timeout-s says."""
+    from mooncaked.roles.all_role import child_configs
+
+    assert ConductorConfig().ready_timeout_s == 30
+    conductor = next(c for c in child_configs(AllConfig(), HostPort("127.0.0.1", 40001)) if c.role == "conductor")
+    assert conductor.ready_timeout_s == 600
+    told = next(c for c in child_configs(AllConfig(ready_timeout_s=5), HostPort("127.0.0.1", 40001))
+                if c.role == "conductor")
+    assert told.ready_timeout_s == 5
+
+
 @pytest.mark.parametrize("role", ["conductor", "prefill", "decode", "store", "all"])
 def test_each_role_help_shows_its_own_flags_each_with_its_default(role):
     parser = argparse.ArgumentParser()

@@ -448,6 +448,12 @@ class AllConfig(ConductorConfig, WorkerConfig, StorePolicyConfig):
                                     "instance is a CPP group of this many stage processes, each holding its range "
                                     "of the layers", "N")
     cpp_chunk_tokens: int = _setting(512, _at_least(_int, 1), CPP_CHUNK_HELP, "N")
+    # a lone conductor waits 30 s for engines someone else starts; this process starts its own, and their first
+    # start on a machine builds the native kernels (~30 s on 2 cores) before loading the model
+    ready_timeout_s: float = _setting(600.0, _at_least(_float, 0),
+                                      "while no prefill and decode have served yet, a request waits up to this "
+                                      "many seconds after the conductor started for them, instead of failing at "
+                                      "once (an engine that fails to start stops the cluster; 0: no wait)", "S")
 
 
 ROLE_CLASSES: dict[str, type[RoleConfig]] = {
