@@ -14,7 +14,7 @@ from mooncaked.transfer import metrics as transfer_metrics
 
 
 def _declared(module) -> set[int]:
-    return {id(v) for v in vars(module).values() if isinstance(v, (MetricWrapperBase, store_metrics.SegmentGauges))}
+    return {id(v) for v in vars(module).values() if isinstance(v, (MetricWrapperBase, store_metrics.MasterGauges))}
 
 
 @pytest.mark.parametrize("module, groups", [

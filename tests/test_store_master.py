@@ -610,3 +610,28 @@ def test_a_place_the_master_drops_is_not_handed_out_while_its_writer_may_still_w
         reused = reused or bool({p.replica.offset for p in new.replicas} & held)
         m.put_end(f"later{i}")
     assert reused
+
+
+def test_the_objects_gauge_is_read_from_the_watched_masters_at_scrape_time():
+    """mooncaked_store_objects is the masters' own count of committed objects, read when scraped: no write per
+    commit on the hot path, and a master replaced by a new one (a standby taking over) is followed."""
+    from mooncaked.store import metrics
+
+    def scraped() -> float:
+        family = next(f for f in metrics.MASTERS.collect() if f.name == "mooncaked_store_objects")
+        return family.samples[0].value
+
+    m, _, _ = make()
+    m.mount("A", dram("a", 64 * KiB))
+    before = scraped()  # other tests' masters, if any are still watched
+    metrics.MASTERS.watch(m)
+    try:
+        put(m, "k1")
+        put(m, "k2")
+        m.put_start("pending", 4 * KiB, 7)  # not committed: not counted
+        assert scraped() == before + 2
+        m.remove(["k1"])
+        assert scraped() == before + 1
+    finally:
+        metrics.MASTERS.unwatch(m)
+    assert scraped() == before

@@ -22,7 +22,6 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from mooncaked.store import metrics
 from mooncaked.store.free_order import FreeOrder
 from mooncaked.store.records import (
     Client, ObjectMeta, ObjectRecord, Placed, Policy, PoolEventKind, Replica, Segment, Task, TaskKind,
@@ -220,7 +219,6 @@ class Catalog:
                 self._held(r, 1)
         self.pending.pop(obj.key, None)
         self.touch_lru(obj)
-        metrics.OBJECTS.inc()
         self._announce(obj)
 
     def landed(self, obj: ObjectMeta, rep: Replica, seg: Segment) -> None:
@@ -296,7 +294,6 @@ class Catalog:
             self.drop_copy(obj, rep, hold_until=hold_until)
         if obj.committed:
             self.committed -= 1
-            metrics.OBJECTS.dec()
         if obj.medium:
             obj.medium = ""
             self.hooks.pool_event("removed", (obj.key,), "")

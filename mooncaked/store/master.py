@@ -107,7 +107,6 @@ class StoreMaster:
         seg = Segment(spec.name, client_id, spec.medium, spec.capacity, spec.endpoint, alloc)
         cat.add_segment(seg)
         accepted, rejected = 0, []
-        known = len(self.objects)
         fresh: list[str] = []  # objects new to the master: announced together
         persist = seg.medium == "dram" and self.policy.persist and cat.tier_of(client_id, "lmdb") is not None
         for rec in records:
@@ -118,7 +117,6 @@ class StoreMaster:
             accepted += 1
             if persist:  # it may have been on its way to LMDB when the master went
                 self._run(tiering.persist(cat, adopted[0], adopted[1], seg))
-        metrics.OBJECTS.inc(len(self.objects) - known)
         if fresh:
             self.hooks.pool_event("stored", fresh, seg.medium)
         logger.info("mounted %s segment %s of %s: %d bytes, %d objects re-reported (%d rejected)",
@@ -186,7 +184,6 @@ class StoreMaster:
             cat.landed(adopted[0], adopted[1], seg)  # its owner journals it now
             if persist:
                 self._run(tiering.persist(cat, adopted[0], adopted[1], seg))
-        metrics.OBJECTS.inc(len(fresh))
         if fresh:
             self.hooks.pool_event("stored", fresh, seg.medium)
         if accepted or rejected:

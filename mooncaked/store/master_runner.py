@@ -56,13 +56,13 @@ class MasterRunner:
                                                                      unix=self._fast_unix)
             self.service.fast_path_unix = self.fast_path.unix_name
         self._housekeeping = spawn(self.service.housekeeping(self._tick_s), "store-housekeeping")
-        metrics.SEGMENTS.watch(self.master)  # its segments' gauges are read at scrape time
+        metrics.MASTERS.watch(self.master)  # its gauges are read at scrape time
         logger.info("store master (epoch %d) serving on port %d (fast path: %s)", self.master.epoch, port,
                     self.service.fast_path_port or "off")
         return port
 
     async def stop(self, grace_s: float = 1.0) -> None:
-        metrics.SEGMENTS.unwatch(self.master)
+        metrics.MASTERS.unwatch(self.master)
         if self._housekeeping is not None:
             self._housekeeping.cancel()
         self.service.close_streams()

@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SegmentGauges:
-    """Per-segment capacity, use and copies, read from the masters at scrape time.
+class MasterGauges:
+    """Per-segment capacity, use and copies, and the committed objects, read from the masters at scrape time.
 
-    A collector rather than gauges set on every change: allocation and free are the master's
-    hot path, and three labelled gauge writes per change cost more than the allocation itself.
+    A collector rather than gauges set on every change: allocation, free and commit are the master's
+    hot path, and a gauge write per change costs about as much as the change itself. It also follows a
+    master replaced by a new one (a standby that took over starts from nothing).
     """
 
     def __init__(self) -> None:
@@ -47,17 +48,21 @@ class SegmentGauges:
             ("mooncaked_store_segment_capacity_bytes", "Bytes a segment lends to the pool."),
             ("mooncaked_store_segment_used_bytes", "Bytes of a segment holding objects."),
             ("mooncaked_store_segment_objects", "Complete object copies on a segment (readers can get them)."))]
+        objects = GaugeMetricFamily("mooncaked_store_objects", "Committed objects the master knows.")
+        committed = 0
         for master in list(self._masters):
+            committed += master.catalog.committed
             for seg in list(master.segments.values()):
                 for family, value in zip(families, (seg.capacity, seg.used, seg.held)):
                     family.add_metric([seg.name, seg.medium], value)
+        objects.add_metric([], committed)
         yield from families
+        yield objects
 
 
 # master
-SEGMENTS = SegmentGauges()
-REGISTRY.register(SEGMENTS)  # type: ignore[arg-type]
-OBJECTS = Gauge("mooncaked_store_objects", "Committed objects the master knows.")
+MASTERS = MasterGauges()
+REGISTRY.register(MASTERS)  # type: ignore[arg-type]
 LOOKUPS = Counter("mooncaked_store_lookups", "GetReplicas answers, by result.", ["result"])
 EVICTIONS = Counter("mooncaked_store_evictions", "Copies removed to make room: dropped, or demoted to LMDB.",
                     ["medium", "action"])
@@ -141,7 +146,7 @@ LEADER_FOLLOWS = Counter("mooncaked_store_client_leader_changes",
                          "Times a client (engine, conductor) moved to a new store master leader.")
 
 # what a role's page shows (role_metrics.py): the master's side and a client's (engines, the conductor)
-MASTER_SERIES = (SEGMENTS, OBJECTS, LOOKUPS, EVICTIONS, PROMOTIONS, DEAD_CLIENTS, STALE_PUTS, POOL_EVENTS,
+MASTER_SERIES = (MASTERS, LOOKUPS, EVICTIONS, PROMOTIONS, DEAD_CLIENTS, STALE_PUTS, POOL_EVENTS,
                  POOL_WATCHERS, POOL_WATCHERS_DROPPED, IS_LEADER, LEADER_CHANGES, REFUSED_CALLS, OBJECTS_REBUILT)
 CLIENT_SERIES = (CLIENT_OPS, CLIENT_BYTES, CHECKSUM_FAILURES, HINTED_READS, OWNER_READS, OWNER_GETS, TIER_TASKS,
                  FAILOVER_SECONDS, LEADER_FOLLOWS)

@@ -194,10 +194,10 @@ class StoreService(store_pb2_grpc.StoreMasterServicer):
             if not fut.done():
                 fut.set_result(False)
         self._promotions.clear()
-        metrics.SEGMENTS.unwatch(self.master)
+        metrics.MASTERS.unwatch(self.master)
         self.master = StoreMaster(self.master.policy, hooks=self, clock=self.master.clock)
         self.pool_events = PoolEventHub(self.master)
-        metrics.SEGMENTS.watch(self.master)
+        metrics.MASTERS.watch(self.master)
 
     # -- segments ---------------------------------------------------------------------------------
     @_now
